@@ -1,0 +1,97 @@
+"""``async-dapo`` command line: bootstrap | eval | train.
+
+Config errors print one line (``error: <dotted.key>: <problem>``) and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from async_dapo.config import Config, ConfigError, dump_config, load_config
+from async_dapo.data import DatasetError
+
+log = logging.getLogger("async_dapo")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="async-dapo", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in [
+        ("bootstrap", "build (or reuse) the tiny CPU model: tokenizer, Qwen2, supervised warm start"),
+        ("eval", "held-out avg@k / pass@k / maj@k of the model through an SGLang engine"),
+        ("train", "run DAPO training"),
+    ]:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--config", type=Path, required=True, help="YAML config file")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
+                        help="override a config field (repeatable); value parsed as YAML")
+        if name == "bootstrap":
+            sp.add_argument("--force", action="store_true", help="rebuild even if cached")
+        if name == "train":
+            sp.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                            help="continue the run checkpointed in RUN_DIR")
+    return p
+
+
+def _bootstrap(cfg: Config, force: bool = False) -> None:
+    from async_dapo.bootstrap import bootstrap
+
+    rep = bootstrap(cfg, force=force)
+    log.info("bootstrap %s: %s", "cached" if rep.cached else "built", json.dumps(asdict(rep)))
+
+
+def _eval(cfg: Config) -> None:
+    from transformers import AutoTokenizer
+
+    from async_dapo.device import pin_threads
+    from async_dapo.engine import start_engine
+    from async_dapo.evaluate import validate
+
+    if cfg.model.bootstrap is not None:
+        _bootstrap(cfg)
+    pin_threads(1)
+    engine = start_engine(cfg.rollout.engine, cfg.model.path)
+    try:
+        res = validate(engine, AutoTokenizer.from_pretrained(cfg.model.path), cfg)
+    finally:
+        engine.shutdown()
+    log.info(
+        "val avg@%d %.3f  pass@%d %.3f  maj@%d %.3f  (%d prompts, %d tokens, %.0f tok/s)",
+        res.k, res.avg_at_k, res.k, res.pass_at_k, res.k, res.maj_at_k, res.prompts,
+        res.gen_tokens, res.gen_tokens / res.seconds,
+    )
+
+
+def _train(cfg: Config, resume: Path | None) -> int:
+    run_dir = Path(cfg.logging.run_dir)
+    dump_config(cfg, run_dir / "config.yaml")
+    log.info("resolved config written to %s", run_dir / "config.yaml")
+    # The orchestrator (rollout actors, replay queue, FSDP2 learners) lands with issue 6.
+    log.error("train: the training loop is not implemented yet")
+    return 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "bootstrap":
+            _bootstrap(cfg, args.force)
+        elif args.command == "eval":
+            _eval(cfg)
+        else:
+            return _train(cfg, args.resume)
+    except (ConfigError, DatasetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

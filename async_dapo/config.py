@@ -1,0 +1,429 @@
+"""The one typed configuration tree of a run.
+
+Every field is documented and bounded where it is defined; unknown keys are errors (``extra="forbid"``).
+A run's config = a YAML file + ``--set a.b=c`` overrides (values parsed as YAML scalars/lists), validated
+once by :func:`load_config`. Any problem raises :class:`ConfigError` whose message is one line naming the
+dotted key and the problem; the CLI prints it and exits non-zero.
+
+Sections follow the data flow: model -> data -> rollout -> reward -> algorithm -> replay -> learner ->
+weight_sync -> placement -> transport -> logging -> checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem, formatted as one line: ``<dotted.key>: <problem>``."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+class TinyModelConfig(_Section):
+    """Shape and warm-start of the tiny Qwen2 model that ``async-dapo bootstrap`` builds (no hub)."""
+
+    hidden_size: int = Field(128, ge=16, le=4096, description="Transformer width.")
+    num_layers: int = Field(2, ge=1, le=64, description="Number of decoder layers.")
+    num_heads: int = Field(4, ge=1, le=64, description="Attention heads (also key/value heads).")
+    intermediate_size: int = Field(256, ge=16, le=16384, description="MLP hidden width.")
+    sft_steps: int = Field(
+        600, ge=1, le=100_000, description="Warm-start optimizer steps (a step count, not a time "
+        "budget, so the result is deterministic given the seed)."
+    )
+    sft_batch_size: int = Field(64, ge=1, le=4096, description="Warm-start batch size (examples).")
+    sft_lr: float = Field(3e-3, gt=0, le=1.0, description="Warm-start peak AdamW learning rate (cosine).")
+    eval_prompts: int = Field(
+        400, ge=10, description="Prompts per split for the warm-start accuracy report (greedy)."
+    )
+    seed: int = Field(0, ge=0, description="Seed of tokenizer corpus, init and warm start.")
+
+
+class ModelConfig(_Section):
+    """Which policy to train. ``path`` is an HF-format directory (config, tokenizer, safetensors)."""
+
+    path: Path = Field(
+        Path("runs/tiny_model"),
+        description="HF-format model directory. With `bootstrap`, the tiny model is built here.",
+    )
+    bootstrap: TinyModelConfig | None = Field(
+        default_factory=TinyModelConfig,
+        description="Build a tiny model at `path` if absent (CPU default). null = `path` must exist.",
+    )
+    trust_remote_code: bool = Field(False, description="Passed to transformers/SGLang loaders.")
+
+
+# ---------------------------------------------------------------------------------------------- data
+class SyntheticTaskConfig(_Section):
+    """Integer arithmetic with difficulty levels (see async_dapo.tasks.synthetic)."""
+
+    levels: list[int] = Field(
+        [1, 2, 3, 4], min_length=1, description="Difficulty levels to mix uniformly (1..4)."
+    )
+    heldout_fraction: float = Field(
+        0.1, gt=0, lt=1, description="Fraction of the problem space held out (by hash) for validation."
+    )
+
+    @model_validator(mode="after")
+    def _levels_known(self) -> "SyntheticTaskConfig":
+        bad = [lv for lv in self.levels if lv not in (1, 2, 3, 4)]
+        if bad:
+            raise ValueError(f"unknown level(s) {bad}; known levels are 1, 2, 3, 4")
+        return self
+
+
+class DataConfig(_Section):
+    """Where prompts come from: the built-in synthetic task, or DAPO-Math-17k-schema parquet/JSONL."""
+
+    train: str = Field(
+        "synthetic", description="'synthetic' or a path to a .parquet/.jsonl file of verl-style rows."
+    )
+    val: str = Field(
+        "synthetic", description="'synthetic' (held-out split) or a path to a .parquet/.jsonl file."
+    )
+    synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
+    max_prompt_length: int = Field(
+        256, ge=8, le=1_048_576, description="Prompts longer than this (tokens) are rejected at load."
+    )
+    shuffle_seed: int = Field(0, ge=0, description="Seed of the epoch-wise prompt order.")
+
+
+# ------------------------------------------------------------------------------------------- rollout
+class EngineConfig(_Section):
+    """SGLang engine arguments (one engine per rollout actor). Defaults are the CPU recipe."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' = cuda when torch sees a GPU, else cpu."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Engine weights dtype; 'auto' = float32 on cpu, bfloat16 on cuda."
+    )
+    attention_backend: str | None = Field(
+        None, description="SGLang attention backend; None = 'torch_native' on cpu, SGLang default on cuda."
+    )
+    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel GPUs per engine.")
+    mem_fraction_static: float = Field(
+        0.3, gt=0, le=0.95, description="Fraction of device memory SGLang reserves for weights + KV."
+    )
+    max_total_tokens: int | None = Field(
+        16384, ge=256, description="KV-cache token capacity (None = SGLang decides from memory)."
+    )
+    context_length: int | None = Field(2048, ge=16, description="Max prompt+response tokens.")
+    max_running_requests: int | None = Field(None, ge=1, description="SGLang scheduler cap.")
+    disable_cuda_graph: bool | None = Field(None, description="None = True on cpu, False on cuda.")
+    random_seed: int = Field(0, ge=0, description="Engine sampling seed.")
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="Passed verbatim to sglang.Engine (escape hatch)."
+    )
+
+
+class RolloutConfig(_Section):
+    """Sampling of G responses per prompt by the SGLang rollout actors."""
+
+    n: int = Field(8, ge=1, le=1024, description="G: responses sampled per prompt (group size).")
+    temperature: float = Field(1.0, ge=0, le=10, description="Training sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Training nucleus sampling.")
+    top_k: int = Field(-1, ge=-1, description="Training top-k (-1 = off).")
+    max_response_length: int = Field(
+        32, ge=1, le=1_048_576, description="L_max: responses are truncated at this many tokens."
+    )
+    max_inflight_prompts: int = Field(
+        64, ge=1, description="Prompts a rollout actor keeps in flight (each with n samples)."
+    )
+    update_mode: Literal["inflight", "drain", "abort"] = Field(
+        "inflight",
+        description="How an engine takes new weights: pause+retract+continue, finish running first, "
+        "or abort and resample.",
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+
+# -------------------------------------------------------------------------------------------- reward
+class RewardConfig(_Section):
+    """Rule-based math reward (+1/-1) and DAPO's soft overlong punishment."""
+
+    overlong_buffer_enable: bool = Field(True, description="Add the soft overlong penalty.")
+    overlong_buffer_length: int = Field(
+        8, ge=1, description="L_cache: penalty ramps over the last this-many tokens before L_max."
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, le=100, description="Penalty at L_max.")
+
+
+# ----------------------------------------------------------------------------------------- algorithm
+class CorrectionConfig(_Section):
+    """Off-policy correction for stale samples (see async_dapo.loss.importance_weights)."""
+
+    mode: Literal["decoupled", "naive", "none"] = Field(
+        "decoupled",
+        description="decoupled: clip around recomputed proximal logprobs x capped behaviour weight; "
+        "naive: clip around behaviour logprobs; none: on-policy loss, stale samples uncorrected.",
+    )
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate = min(w, cap) (TIS); mask = zero outside [low, cap] (IcePop)."
+    )
+    is_level: Literal["token", "sequence"] = Field("token", description="Weight per token or sequence.")
+    is_cap: float = Field(2.0, gt=1, description="Upper cap C of the importance weight.")
+    is_low: float | None = Field(
+        None, gt=0, lt=1, description="Lower bound for mask mode (None = 1/is_cap)."
+    )
+
+
+class DynamicSamplingConfig(_Section):
+    """Keep only prompt groups whose accuracies are mixed (0 < #correct < G)."""
+
+    enable: bool = Field(True, description="Filter all-correct and all-wrong groups.")
+    max_gen_rounds: int = Field(
+        10, ge=1, description="Give up (error) after this many generation rounds' worth of groups "
+        "without filling a batch.",
+    )
+
+
+class AlgorithmConfig(_Section):
+    """DAPO loss: Clip-Higher, dual clip, token-level aggregation, overlong filtering, correction."""
+
+    train_batch_groups: int = Field(
+        16, ge=1, description="B: prompt groups per training step (train_prompt_bsz)."
+    )
+    clip_low: float = Field(0.2, gt=0, lt=1, description="epsilon_low: ratio clipped at 1 - this.")
+    clip_high: float = Field(0.28, gt=0, le=10, description="epsilon_high: ratio clipped at 1 + this.")
+    clip_c: float | None = Field(
+        10.0, gt=1, description="Dual-clip constant c for A < 0 (None = off). DAPO recipe: 10."
+    )
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="token-mean is DAPO; seq-mean-token-mean is naive GRPO."
+    )
+    scale_adv_by_std: bool = Field(True, description="GRPO advantage divides by the group std.")
+    overlong_filtering: bool = Field(False, description="Mask the loss of truncated samples.")
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+
+    @model_validator(mode="after")
+    def _clip_sane(self) -> "AlgorithmConfig":
+        if self.clip_high < self.clip_low * 0.5:
+            raise ValueError("clip_high is far below clip_low; DAPO's Clip-Higher wants clip_high >= clip_low")
+        return self
+
+
+# -------------------------------------------------------------------------------------------- replay
+class ReplayConfig(_Section):
+    """Staleness-bounded replay queue (AReaL's admission rule; per-sample staleness drop)."""
+
+    max_staleness: int = Field(
+        1, ge=0, le=1000, description="eta: 0 = synchronous; a group trained at version v has every "
+        "token from a policy version >= v - eta.",
+    )
+    capacity_groups: int = Field(256, ge=1, description="Most groups held in the queue.")
+
+
+# ------------------------------------------------------------------------------------------- learner
+class LearnerConfig(_Section):
+    """FSDP2 learner optimisation."""
+
+    total_steps: int = Field(40, ge=1, description="Training steps (policy versions) to run.")
+    lr: float = Field(1e-4, gt=0, le=1, description="AdamW peak learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then constant.")
+    weight_decay: float = Field(0.1, ge=0, le=1, description="AdamW weight decay (recipe: 0.1).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    mini_batch_groups: int = Field(
+        16, ge=1, description="Groups per optimizer update; train_batch_groups / this = updates per epoch."
+    )
+    epochs: int = Field(1, ge=1, le=32, description="mu: passes over each training batch.")
+    micro_batch_tokens: int = Field(
+        4096, ge=16, description="Token budget of one packed forward/backward micro-batch."
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype (MixedPrecisionPolicy); master weights are always fp32."
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    cpu_offload: bool = Field(False, description="FSDP2 CPU offload of parameters.")
+
+
+# --------------------------------------------------------------------------------------- weight sync
+class WeightSyncConfig(_Section):
+    """Learner rank 0 -> engines weight push over a dedicated torch.distributed group."""
+
+    every_k_steps: int = Field(1, ge=1, description="Push after every k-th training step.")
+    bucket_mb: int = Field(64, ge=1, le=16384, description="Bucket size of the streamed parameters.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on cuda else gloo.")
+    timeout_s: float = Field(600, gt=0, description="Timeout of one push.")
+
+
+# ----------------------------------------------------------------------------------------- placement
+class PlacementConfig(_Section):
+    """How Ray places the actors."""
+
+    ray_address: str | None = Field(
+        None, description="Ray cluster address; None = join the job's cluster or start a local one."
+    )
+    num_engines: int = Field(1, ge=1, description="Rollout actors (one SGLang engine each).")
+    engine_cpus: float = Field(1, gt=0, description="CPUs per rollout actor.")
+    engine_gpus: int = Field(0, ge=0, description="GPUs per rollout actor (= rollout.engine.tp_size).")
+    learner_ranks: int = Field(1, ge=1, description="FSDP2 learner ranks.")
+    learner_cpus: float = Field(1, gt=0, description="CPUs per learner rank.")
+    learner_gpus: int = Field(0, ge=0, le=1, description="GPUs per learner rank (0 or 1).")
+    queue_cpus: float = Field(0, ge=0, description="CPUs reserved for the replay-queue actor.")
+
+
+# ----------------------------------------------------------------------------------------- transport
+class TransportConfig(_Section):
+    """zmq + msgpack group stream from rollout actors to the replay queue."""
+
+    bind_host: str = Field("127.0.0.1", description="Interface the queue binds; set for multi-node.")
+    port: int = Field(0, ge=0, le=65535, description="0 = pick a free port.")
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Larger messages are dropped and counted."
+    )
+
+
+# ------------------------------------------------------------------------------------------- logging
+class LoggingConfig(_Section):
+    """Run directory, TensorBoard, validation."""
+
+    run_dir: Path = Field(Path("runs/tiny_cpu"), description="Everything of a run is written here.")
+    tensorboard: bool = Field(True, description="Write TensorBoard events to run_dir/tb.")
+    val_every_steps: int = Field(10, ge=0, description="Validate every k steps (0 = never).")
+    val_prompts: int = Field(256, ge=1, description="Held-out prompts per validation.")
+    val_n: int = Field(4, ge=1, description="k: samples per validation prompt (avg@k, pass@k, maj@k).")
+    val_temperature: float = Field(1.0, ge=0, le=10, description="Validation temperature.")
+    val_top_p: float = Field(0.7, gt=0, le=1, description="Validation top_p (paper: 0.7).")
+    seed: int = Field(0, ge=0, description="Seed of python/numpy/torch in every process.")
+
+
+class CheckpointConfig(_Section):
+    """torch.distributed.checkpoint of the full training state + HF export."""
+
+    every_steps: int = Field(0, ge=0, description="Checkpoint every k steps (0 = only at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
+    export_hf: bool = Field(True, description="Write an HF-format copy of the final policy.")
+
+
+class Config(_Section):
+    """A whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        # Cross-field rules live here so each message can still name the key it is about.
+        if self.algorithm.train_batch_groups % self.learner.mini_batch_groups:
+            raise ValueError(
+                "learner.mini_batch_groups must divide algorithm.train_batch_groups "
+                f"({self.learner.mini_batch_groups} vs {self.algorithm.train_batch_groups})"
+            )
+        if self.reward.overlong_buffer_enable and (
+            self.reward.overlong_buffer_length > self.rollout.max_response_length
+        ):
+            raise ValueError("reward.overlong_buffer_length must be <= rollout.max_response_length")
+        ctx = self.rollout.engine.context_length
+        if ctx is not None and ctx < self.data.max_prompt_length + self.rollout.max_response_length:
+            raise ValueError(
+                "rollout.engine.context_length must be >= data.max_prompt_length + "
+                "rollout.max_response_length"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------- loading
+def _check_path(model: type[BaseModel], dotted: str) -> None:
+    """Fail early, naming the whole dotted key, when an override path is not a config field."""
+    cls: Any = model
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        fields = getattr(cls, "model_fields", None)
+        if fields is None:
+            break  # inside a dict-typed field (e.g. engine.extra_args): anything goes
+        if part not in fields:
+            raise ConfigError(f"{dotted}: unknown key '{part}' (known: {', '.join(sorted(fields))})")
+        ann = fields[part].annotation
+        cls = next(
+            (a for a in (getattr(ann, "__args__", None) or (ann,)) if isinstance(a, type)
+             and issubclass(a, BaseModel)),
+            None,
+        )
+        if cls is None and depth < len(parts) - 1 and not _is_dict(fields[part].annotation):
+            raise ConfigError(f"{dotted}: '{part}' is a value, not a section")
+
+
+def _is_dict(annotation: Any) -> bool:
+    return getattr(annotation, "__origin__", None) is dict or annotation is dict
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=c`` -> ("a.b", yaml-parsed c)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{text}: override must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: value {raw!r} is not valid YAML ({exc.__class__.__name__})") from None
+    return key.strip(), value
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {} if child is None else child
+        node = child
+    node[leaf] = value
+
+
+def _format_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "<root>"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{key}: {msg}{more}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML at ``path`` (or defaults), apply ``a.b=c`` overrides, validate; ConfigError on any fault."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        tree = loaded or {}
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _check_path(Config, key)
+        _set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config (all defaults filled in) as YAML."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

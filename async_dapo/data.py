@@ -1,0 +1,183 @@
+"""Prompt rows: the DAPO-Math-17k (verl-style) row schema, its parquet/JSONL loader, and the synthetic task.
+
+Every prompt source yields :class:`PromptRow` — the schema users already have for DAPO-Math-17k::
+
+    {"data_source": str, "prompt": [{"role": ..., "content": ...}, ...], "ability": str,
+     "reward_model": {"style": "rule", "ground_truth": str}, "extra_info": {...}}
+
+A bad row raises :class:`DatasetError` naming the file, the 0-based row number and the field. The synthetic
+task (integer arithmetic in four difficulty levels) emits the same schema, so the rest of the system never
+knows where a prompt came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class DatasetError(ValueError):
+    """A bad dataset row: ``<file>: row <n>: <field>: <problem>``."""
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class RewardSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    style: str = "rule"
+    ground_truth: str
+
+    @field_validator("ground_truth", mode="before")
+    @classmethod
+    def _number_to_text(cls, v: Any) -> Any:
+        # Users' files often store integer answers as numbers; the scorer compares strings.
+        return str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+
+
+class PromptRow(BaseModel):
+    """One prompt of the DAPO-Math-17k schema (unknown top-level keys are kept, not rejected)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    data_source: str
+    prompt: list[Message] = Field(min_length=1)
+    ability: str = "math"
+    reward_model: RewardSpec
+    extra_info: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def ground_truth(self) -> str:
+        return self.reward_model.ground_truth
+
+
+def _row_error(path: Path, index: int, exc: ValidationError) -> DatasetError:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "<row>"
+    return DatasetError(f"{path}: row {index}: {field}: {err['msg']}")
+
+
+def _raw_rows(path: Path) -> list[Any]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # heavy import, only when parquet is used
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open() as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(f"{path}: row {i}: not valid JSON ({exc.msg})") from None
+        return rows
+    raise DatasetError(f"{path}: unsupported file type '{path.suffix}' (use .parquet or .jsonl)")
+
+
+def load_rows(path: str | Path) -> list[PromptRow]:
+    """Read and validate every row of a .parquet or .jsonl file; the first bad row raises."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"{path}: file not found")
+    rows = []
+    for i, raw in enumerate(_raw_rows(path)):
+        if not isinstance(raw, dict):
+            raise DatasetError(f"{path}: row {i}: <row>: expected an object, got {type(raw).__name__}")
+        try:
+            rows.append(PromptRow.model_validate(raw))
+        except ValidationError as exc:
+            raise _row_error(path, i, exc) from None
+    if not rows:
+        raise DatasetError(f"{path}: no rows")
+    return rows
+
+
+def write_rows(rows: list[PromptRow], path: str | Path) -> None:
+    """Write rows as .parquet or .jsonl (the formats :func:`load_rows` reads)."""
+    path = Path(path)
+    dicts = [r.model_dump(mode="json") for r in rows]
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(dicts), path)
+    else:
+        path.write_text("".join(json.dumps(d) + "\n" for d in dicts))
+
+
+# ------------------------------------------------------------------------------------ synthetic task
+SYNTHETIC_SOURCE = "async_dapo/arith"
+
+# Level -> (first operand range, second operand range, operators). Four roughly equal steps of
+# difficulty for a tiny model: after a short warm start level 1 is mostly solved and level 3/4 mostly
+# not, so groups come out all-correct, all-wrong and mixed — the situation dynamic sampling is for.
+LEVELS: dict[int, tuple[range, range, str]] = {
+    1: (range(0, 10), range(0, 10), "+-"),
+    2: (range(10, 100), range(0, 10), "+-"),
+    3: (range(10, 100), range(10, 100), "+-"),
+    4: (range(10, 100), range(2, 10), "*"),
+}
+
+
+def _answer(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _is_heldout(problem: str, fraction: float) -> bool:
+    # Stable across processes and Python versions (unlike hash()).
+    digest = int.from_bytes(hashlib.sha256(problem.encode()).digest()[:8], "little")
+    return digest / 2**64 < fraction
+
+
+def synthetic_problems(level: int, split: Literal["train", "val"], heldout_fraction: float) -> list[tuple[str, int]]:
+    """All (question, answer) pairs of a level that fall in ``split``, in a fixed order."""
+    left, right, ops = LEVELS[level]
+    out = []
+    for a in left:
+        for b in right:
+            for op in ops:
+                q = f"What is {a}{op}{b}?"
+                if _is_heldout(q, heldout_fraction) == (split == "val"):
+                    out.append((q, _answer(a, op, b)))
+    return out
+
+
+def synthetic_rows(
+    split: Literal["train", "val"], size: int, *, levels: list[int], heldout_fraction: float, seed: int
+) -> list[PromptRow]:
+    """``size`` rows, levels interleaved round-robin, problems drawn without replacement per level
+    (cycling when a level's pool is exhausted). Deterministic given the arguments."""
+    rng = random.Random(f"{seed}-{split}")
+    pools = {}
+    for lv in levels:
+        pool = synthetic_problems(lv, split, heldout_fraction)
+        rng.shuffle(pool)
+        pools[lv] = pool
+    rows = []
+    for i in range(size):
+        lv = levels[i % len(levels)]
+        q, ans = pools[lv][(i // len(levels)) % len(pools[lv])]
+        rows.append(
+            PromptRow(
+                data_source=SYNTHETIC_SOURCE,
+                prompt=[Message(role="user", content=q)],
+                ability="math",
+                reward_model=RewardSpec(style="rule", ground_truth=str(ans)),
+                extra_info={"index": i, "level": lv, "split": split},
+            )
+        )
+    return rows
+
+
+def synthetic_response(row: PromptRow) -> str:
+    """The reference response used by the supervised warm start: the DAPO answer line."""
+    return f"Answer: {row.ground_truth}"

@@ -1,0 +1,82 @@
+"""Start an SGLang engine from the config, on CPU or CUDA, and sample groups with token logprobs.
+
+The engine runs in-process (``sglang.Engine``; its scheduler and detokenizer are subprocesses). On CPU,
+:mod:`async_dapo.device` supplies the environment SGLang needs before ``sglang`` is imported.
+
+Logprob semantics (SGLang 0.5.23 default, checked in its sampler): the returned token logprob is
+``log_softmax(logits / temperature)`` of the sampled token, before top-p/top-k truncation. The learner
+must therefore divide its logits by the same temperature to compare against behaviour logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from async_dapo.config import EngineConfig
+from async_dapo.device import activate_sglang_env, engine_dtype, resolve_device
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One finished completion."""
+
+    output_ids: list[int]
+    logprobs: list[float]  # behaviour logprob of each output token (temperature-scaled)
+    truncated: bool  # stopped by the length limit, not by EOS
+    weight_versions: Any = None  # SGLang's per-request weight version spans, when reported
+
+
+def engine_kwargs(ec: EngineConfig, model_path: str | Path) -> dict[str, Any]:
+    """sglang.Engine keyword arguments for ``ec`` (device-specific defaults resolved here)."""
+    device = resolve_device(ec.device)
+    kw: dict[str, Any] = {
+        "model_path": str(model_path),
+        "device": device,
+        "dtype": engine_dtype(device, ec.dtype),
+        "tp_size": ec.tp_size,
+        "mem_fraction_static": ec.mem_fraction_static,
+        "random_seed": ec.random_seed,
+        "skip_server_warmup": True,
+        "log_level": "error",
+        "disable_cuda_graph": (device == "cpu") if ec.disable_cuda_graph is None else ec.disable_cuda_graph,
+    }
+    if ec.attention_backend is not None or device == "cpu":
+        kw["attention_backend"] = ec.attention_backend or "torch_native"
+    for name in ("max_total_tokens", "context_length", "max_running_requests"):
+        if getattr(ec, name) is not None:
+            kw[name] = getattr(ec, name)
+    return {**kw, **ec.extra_args}
+
+
+def start_engine(ec: EngineConfig, model_path: str | Path):
+    """Start an in-process sglang.Engine. Call from the main thread of a process (SGLang installs
+    signal handlers) whose entry point has an ``if __name__ == "__main__":`` guard."""
+    activate_sglang_env(resolve_device(ec.device))
+    import sglang  # after the environment is set: the CPU path needs it at import time
+
+    return sglang.Engine(**engine_kwargs(ec, model_path))
+
+
+def parse_output(out: dict[str, Any]) -> Sample:
+    """Turn one SGLang generate() result into a :class:`Sample`."""
+    meta = out["meta_info"]
+    logprobs = [lp for lp, _tok, *_ in meta["output_token_logprobs"]]
+    finish = meta.get("finish_reason") or {}
+    return Sample(
+        output_ids=list(out["output_ids"]),
+        logprobs=[float(x) for x in logprobs],
+        truncated=finish.get("type") == "length",
+        weight_versions=meta.get("weight_versions"),
+    )
+
+
+def sample_groups(
+    engine, prompts: list[list[int]], n: int, sampling_params: dict[str, Any]
+) -> list[list[Sample]]:
+    """``n`` samples for each prompt, submitted as one batch (SGLang shares the prompt prefix)."""
+    flat = [p for p in prompts for _ in range(n)]
+    outs = engine.generate(input_ids=flat, sampling_params=sampling_params, return_logprob=True)
+    samples = [parse_output(o) for o in outs]
+    return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]

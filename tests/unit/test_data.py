@@ -1,0 +1,88 @@
+"""Row schema, parquet/JSONL loading with row-level errors, and the synthetic task."""
+
+import json
+
+import pytest
+
+from async_dapo.data import (
+    DatasetError, LEVELS, load_rows, synthetic_problems, synthetic_response, synthetic_rows, write_rows,
+)
+
+DAPO_ROW = {  # the shape of a DAPO-Math-17k row as users have it
+    "data_source": "math_dapo",
+    "prompt": [{"role": "user", "content": "Solve ... Answer: $Answer\n\nWhat is 1+1?"}],
+    "ability": "MATH",
+    "reward_model": {"style": "rule-lighteval/MATH_v2", "ground_truth": "2"},
+    "extra_info": {"index": "a0"},
+}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_synthetic_rows_round_trip(tmp_path, suffix):
+    rows = synthetic_rows("train", 40, levels=[1, 2, 3, 4], heldout_fraction=0.1, seed=3)
+    path = tmp_path / f"rows{suffix}"
+    write_rows(rows, path)
+    assert load_rows(path) == rows
+
+
+def test_dapo_math_row_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([DAPO_ROW, DAPO_ROW]), tmp_path / "d.parquet")
+    rows = load_rows(tmp_path / "d.parquet")
+    assert rows[1].ground_truth == "2" and rows[0].prompt[0].role == "user"
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda r: r["reward_model"].pop("ground_truth"), "row 2: reward_model.ground_truth: Field required"),
+        (lambda r: r.update(prompt=[]), "row 2: prompt: List should have at least 1 item"),
+        (lambda r: r["prompt"][0].update(role="robot"), "row 2: prompt.0.role: Input should be"),
+        (lambda r: r.pop("data_source"), "row 2: data_source: Field required"),
+    ],
+)
+def test_bad_row_names_file_row_and_field(tmp_path, mutate, expected):
+    bad = json.loads(json.dumps(DAPO_ROW))
+    mutate(bad)
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [DAPO_ROW, DAPO_ROW, bad]) + "\n")
+    with pytest.raises(DatasetError) as err:
+        load_rows(path)
+    assert str(err.value).startswith(f"{path}: {expected}"), str(err.value)
+
+
+def test_invalid_json_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(DAPO_ROW) + "\n{oops\n")
+    with pytest.raises(DatasetError, match=r"d\.jsonl: row 1: not valid JSON"):
+        load_rows(path)
+
+
+def test_integer_ground_truth_is_text(tmp_path):
+    row = dict(DAPO_ROW, reward_model={"style": "rule", "ground_truth": 42})
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    assert load_rows(tmp_path / "d.jsonl")[0].ground_truth == "42"
+
+
+def test_synthetic_answers_and_split():
+    for level in LEVELS:
+        train = synthetic_problems(level, "train", 0.1)
+        val = synthetic_problems(level, "val", 0.1)
+        assert not set(q for q, _ in train) & set(q for q, _ in val)
+        assert 0.05 < len(val) / (len(train) + len(val)) < 0.2
+    assert ("What is 12*7?", 84) in synthetic_problems(4, "train", 0.1) + synthetic_problems(4, "val", 0.1)
+    assert ("What is 3-9?", -6) in synthetic_problems(1, "train", 0.1) + synthetic_problems(1, "val", 0.1)
+
+
+def test_synthetic_rows_deterministic_and_balanced():
+    a = synthetic_rows("train", 100, levels=[1, 3], heldout_fraction=0.1, seed=7)
+    b = synthetic_rows("train", 100, levels=[1, 3], heldout_fraction=0.1, seed=7)
+    assert a == b
+    assert [r.extra_info["level"] for r in a[:4]] == [1, 3, 1, 3]
+    row = a[1]
+    a_, op, b_ = row.prompt[0].content.removeprefix("What is ").removesuffix("?").partition("+") \
+        if "+" in row.prompt[0].content else row.prompt[0].content.removeprefix("What is ").removesuffix("?").partition("-")
+    assert int(row.ground_truth) == (int(a_) + int(b_) if op == "+" else int(a_) - int(b_))
+    assert synthetic_response(row) == f"Answer: {row.ground_truth}"

@@ -1,0 +1,57 @@
+"""The CPU/CUDA seam and the stand-in kernel package."""
+
+import subprocess
+import sys
+
+import pytest
+
+from async_dapo import device
+
+
+def test_cpu_env_puts_stand_in_first_when_real_kernel_cannot_load(monkeypatch):
+    monkeypatch.setattr(device, "real_sgl_kernel_loads", lambda: False)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    env = device.sglang_process_env("cpu")
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["PYTHONPATH"].split(":") == [str(device.SHIM_DIR), "/somewhere/else"]
+
+
+def test_nothing_on_cuda_or_with_a_working_kernel(monkeypatch):
+    monkeypatch.setattr(device, "real_sgl_kernel_loads", lambda: False)
+    assert device.sglang_process_env("cuda") == {}
+    monkeypatch.setattr(device, "real_sgl_kernel_loads", lambda: True)
+    assert device.sglang_process_env("cpu") == {}
+
+
+def test_backend_and_dtype_choices():
+    assert device.dist_backend("cpu") == "gloo"
+    assert device.dist_backend("cuda") == "nccl"
+    assert device.dist_backend("cpu", "nccl") == "nccl"
+    assert device.engine_dtype("cpu") == "float32"
+    assert device.engine_dtype("cuda") == "bfloat16"
+
+
+def test_stand_in_raises_naming_itself_and_logs(tmp_path):
+    log = tmp_path / "calls.log"
+    code = (
+        "import sgl_kernel\n"
+        "try:\n    sgl_kernel.rmsnorm_cpu(1)\nexcept NotImplementedError as e:\n    print(e)\n"
+        "try:\n    import sgl_kernel.scalar_type\nexcept ImportError:\n    print('no-submodule')\n"
+        "print(hasattr(sgl_kernel, '__wrapped__'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": str(device.SHIM_DIR), "ASYNC_DAPO_SGL_KERNEL_SHIM_LOG": str(log)},
+    ).stdout.splitlines()
+    assert out[0].startswith("sgl_kernel.rmsnorm_cpu is a CPU stand-in")
+    assert out[1] == "no-submodule"  # SGLang's ImportError fallbacks must stay reachable
+    assert out[2] == "False"  # dunder lookups are not answered with stand-ins
+    assert log.read_text() == "sgl_kernel.rmsnorm_cpu\n"
+
+
+def test_resolve_device():
+    assert device.resolve_device("cpu") == "cpu"
+    if not __import__("torch").cuda.is_available():
+        assert device.resolve_device("auto") == "cpu"
+        with pytest.raises(RuntimeError, match="cuda"):
+            device.resolve_device("cuda")

@@ -1,0 +1,54 @@
+"""Measure the SGLang engine on the configured device: start time, and generation tokens/s for
+P prompts x T new tokens (EOS ignored so every request really makes T tokens).
+
+    python tools/bench_engine.py --config configs/tiny_cpu.yaml [--prompts 32 --tokens 64 --repeats 3]
+"""
+
+import argparse
+import json
+import time
+
+from async_dapo.bootstrap import bootstrap, encode_prompt
+from async_dapo.config import load_config
+from async_dapo.data import synthetic_rows
+from async_dapo.device import pin_threads
+from async_dapo.engine import sample_groups, start_engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.bootstrap is not None:
+        bootstrap(cfg)
+    pin_threads(1)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    rows = synthetic_rows("val", args.prompts, levels=[1, 2, 3, 4], heldout_fraction=0.1, seed=0)
+    prompts = [encode_prompt(tok, r) for r in rows]
+    t0 = time.perf_counter()
+    engine = start_engine(cfg.rollout.engine, cfg.model.path)
+    start_s = time.perf_counter() - t0
+    params = {"temperature": 1.0, "max_new_tokens": args.tokens, "ignore_eos": True}
+    try:
+        sample_groups(engine, prompts[:2], 1, params)  # first-call overheads out of the timing
+        runs = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            groups = sample_groups(engine, prompts, 1, params)
+            dt = time.perf_counter() - t
+            runs.append(sum(len(g[0].output_ids) for g in groups) / dt)
+    finally:
+        engine.shutdown()
+    print(json.dumps({"engine_start_s": round(start_s, 1), "prompts": args.prompts, "new_tokens": args.tokens,
+                      "tok_per_s_runs": [round(r) for r in runs], "tok_per_s_median": round(sorted(runs)[len(runs) // 2])}))
+
+
+if __name__ == "__main__":
+    main()
