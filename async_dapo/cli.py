@@ -76,9 +76,19 @@ def _train(cfg: Config, resume: Path | None) -> int:
     return 3
 
 
+def _setup_logging() -> None:
+    # Our own handler, not the root logger's: SGLang reconfigures the root logger (to its log_level)
+    # when an engine starts, which would silence our progress lines.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    _setup_logging()
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "bootstrap":
