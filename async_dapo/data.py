@@ -181,3 +181,73 @@ def synthetic_rows(
 def synthetic_response(row: PromptRow) -> str:
     """The reference response used by the supervised warm start: the DAPO answer line."""
     return f"Answer: {row.ground_truth}"
+
+
+# ------------------------------------------------------------------------------ configured sources
+SYNTHETIC_TRAIN_SIZE = 20_000  # rows of the synthetic training set (levels interleaved)
+
+
+def train_rows(cfg) -> list[PromptRow]:
+    """The training prompts of a run (``cfg``: async_dapo.config.Config), identical in every process."""
+    if cfg.data.train == "synthetic":
+        t = cfg.data.synthetic
+        return synthetic_rows("train", SYNTHETIC_TRAIN_SIZE, levels=t.levels,
+                              heldout_fraction=t.heldout_fraction, seed=cfg.data.shuffle_seed)
+    return load_rows(cfg.data.train)
+
+
+def val_rows(cfg) -> list[PromptRow]:
+    """The held-out prompts: the synthetic task's held-out split, or the configured file."""
+    n = cfg.logging.val_prompts
+    if cfg.data.val == "synthetic":
+        t = cfg.data.synthetic
+        return synthetic_rows("val", n, levels=t.levels, heldout_fraction=t.heldout_fraction,
+                              seed=cfg.logging.seed)
+    return load_rows(cfg.data.val)[:n]
+
+
+class PromptCursor:
+    """Epoch-aware prompt order: each epoch is a fresh seeded permutation of the row indices.
+
+    ``take(n)`` hands out (epoch, index) tickets. Prompts handed out but never trained (in flight or queued
+    at a checkpoint) are given back with ``give_back`` and are re-issued first, so that after a resume no
+    prompt is replayed twice or skipped. ``state_dict``/``load_state_dict`` make it checkpointable.
+    """
+
+    def __init__(self, num_rows: int, seed: int = 0) -> None:
+        if num_rows <= 0:
+            raise ValueError(f"num_rows must be > 0, got {num_rows}")
+        self.num_rows, self.seed = num_rows, seed
+        self.epoch, self.position = 0, 0
+        self.pending: list[tuple[int, int]] = []
+        self._order_epoch, self._order = -1, []
+
+    def _permutation(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            self._order = list(range(self.num_rows))
+            random.Random(f"{self.seed}-{self.epoch}").shuffle(self._order)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        out = self.pending[:n]
+        self.pending = self.pending[n:]
+        while len(out) < n:
+            out.append((self.epoch, self._permutation()[self.position]))
+            self.position += 1
+            if self.position == self.num_rows:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def give_back(self, tickets: list[tuple[int, int]]) -> None:
+        self.pending = sorted(set(self.pending) | {(int(e), int(i)) for e, i in tickets})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_rows": self.num_rows, "seed": self.seed, "epoch": self.epoch,
+                "position": self.position, "pending": [list(t) for t in self.pending]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["num_rows"], state["seed"]) != (self.num_rows, self.seed):
+            raise ValueError("cursor state belongs to another dataset (num_rows/seed differ)")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.pending = [tuple(t) for t in state["pending"]]

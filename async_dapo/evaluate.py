@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from async_dapo.config import Config
-from async_dapo.data import PromptRow, load_rows, synthetic_rows
+from async_dapo.data import PromptRow, val_rows
 from async_dapo.reward import INVALID_PRED, dapo_math_score
 
 
@@ -20,16 +20,6 @@ class ValResult:
     prompts: int
     gen_tokens: int
     seconds: float
-
-
-def val_rows(cfg: Config) -> list[PromptRow]:
-    """The held-out prompts: the synthetic task's held-out split, or the configured file."""
-    n = cfg.logging.val_prompts
-    if cfg.data.val == "synthetic":
-        t = cfg.data.synthetic
-        return synthetic_rows("val", n, levels=t.levels, heldout_fraction=t.heldout_fraction,
-                              seed=cfg.logging.seed)
-    return load_rows(cfg.data.val)[:n]
 
 
 def score_groups(texts: list[list[str]], truths: list[str]) -> tuple[float, float, float]:

@@ -1,0 +1,320 @@
+"""Staleness-bounded replay queue: the POLICY (pure, synchronous, no I/O, no threads).
+
+The replay actor wraps one :class:`ReplayPolicy` and does the waiting; this module only decides.
+Three decisions, with v = the learner's current policy version (``versions.current()``), η =
+``replay.max_staleness``, B = ``algorithm.train_batch_groups``:
+
+* Admission (AReaL's rule, counted in prompts = groups): a rollout may start one more prompt only while
+
+      in_window + running < (η + (v − v0) + 1) · B
+
+  ``running`` = prompts admitted whose group has not arrived (nor been abandoned); ``in_window`` =
+  groups accepted into the queue and not dropped afterwards (= handed_out + depth). v0 is the version
+  the policy was created at: 0 in a fresh run, so the rule is AReaL's verbatim; on a resume the counters
+  start from zero, and counting versions from v0 keeps the resumed run from bursting past the bound
+  (AReaL #1345).
+* Arrival: a group is dropped as stale if v − min_version > η (its oldest token is too old), otherwise,
+  with dynamic sampling on, dropped if all its samples are correct or all wrong (``loss.keep_group``),
+  otherwise accepted (FIFO).
+* Hand-out: queued groups with v − min_version > η are dropped, then exactly B groups are handed out,
+  oldest arrival first, or nothing if fewer than B remain.
+
+Guarantee (PER SAMPLE): every token of every handed-out group was produced by a policy version
+≥ v − η, where v is the version current at hand-out. The admission bound alone is only aggregate (it
+bounds how far generation runs ahead of the learner); the drop at hand-out is what makes the
+per-sample guarantee hold.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from async_dapo.loss import keep_group
+
+__all__ = [
+    "ACCEPTED",
+    "DROPPED_ALL_CORRECT",
+    "DROPPED_ALL_WRONG",
+    "DROPPED_STALE",
+    "FREES_ADMISSION",
+    "OUTCOMES",
+    "FakeVersionSource",
+    "GroupLike",
+    "ReplayPolicy",
+    "ReplayStats",
+    "VersionSource",
+]
+
+ACCEPTED = "accepted"
+DROPPED_ALL_CORRECT = "dropped_all_correct"
+DROPPED_ALL_WRONG = "dropped_all_wrong"
+DROPPED_STALE = "dropped_stale"
+OUTCOMES = (ACCEPTED, DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG, DROPPED_STALE)
+# Arrival outcomes that give an admission slot back (a dropped group never counts as in_window).
+FREES_ADMISSION = frozenset({DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG, DROPPED_STALE})
+
+
+class GroupLike(Protocol):
+    """What the policy reads from a group (``wire.Group`` satisfies it)."""
+
+    @property
+    def min_version(self) -> int:
+        """Policy version of the group's OLDEST token."""
+        ...
+
+    @property
+    def accuracies(self) -> Sequence[bool]:
+        """One correctness flag per sample (the dynamic-sampling filter reads these)."""
+        ...
+
+
+class VersionSource(Protocol):
+    """The learner's current policy version (the number of optimizer steps it has published)."""
+
+    def current(self) -> int: ...
+
+
+class FakeVersionSource:
+    """A settable version source, so the policy is testable without a learner."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+
+    def current(self) -> int:
+        return self.version
+
+    def advance(self, steps: int = 1) -> int:
+        self.version += steps
+        return self.version
+
+
+G = TypeVar("G", bound=GroupLike)
+
+
+@dataclass
+class ReplayStats:
+    """Counters for the metrics layer; all cumulative except ``depth`` and the ``last_batch_*``.
+
+    Identities (hold after every call):
+    ``received = accepted + dropped_all_correct + dropped_all_wrong + dropped_stale``;
+    ``depth = accepted − handed_out − dropped_stale_at_handout − dropped_capacity``.
+    """
+
+    admitted: int = 0  # prompts admitted
+    abandoned: int = 0  # admitted prompts that will never send a group (aborted, actor died)
+    received: int = 0  # groups that arrived
+    accepted: int = 0  # groups put into the queue
+    handed_out: int = 0  # groups given to the learner
+    dropped_all_correct: int = 0  # on arrival, dynamic sampling
+    dropped_all_wrong: int = 0  # on arrival, dynamic sampling
+    dropped_stale: int = 0  # on arrival: v − min_version > η
+    dropped_stale_at_handout: int = 0  # queued, then too old by the time the learner asked
+    dropped_capacity: int = 0  # oldest queued group pushed out by a full queue
+    depth: int = 0  # groups queued now
+    batches: int = 0  # batches handed out
+    last_batch_staleness_mean: float = 0.0
+    last_batch_staleness_max: int = 0
+    staleness_hist: dict[int, int] = field(default_factory=dict)  # staleness -> handed-out groups
+
+    @property
+    def running(self) -> int:
+        """Prompts admitted whose group has not arrived yet."""
+        return self.admitted - self.abandoned - self.received
+
+    @property
+    def in_window(self) -> int:
+        """Accepted groups that still count against admission (= handed_out + depth)."""
+        return self.accepted - self.dropped_stale_at_handout - self.dropped_capacity
+
+    def snapshot(self) -> dict[str, float | int]:
+        """Flat metrics dict; the histogram becomes ``staleness_hist/<k>`` keys."""
+        out: dict[str, float | int] = {
+            name: value for name, value in vars(self).items() if name != "staleness_hist"
+        }
+        out["running"] = self.running
+        out["in_window"] = self.in_window
+        for staleness, count in sorted(self.staleness_hist.items()):
+            out[f"staleness_hist/{staleness}"] = count
+        return out
+
+
+class ReplayPolicy(Generic[G]):
+    """Admission, arrival and hand-out decisions of the staleness-bounded replay queue.
+
+    Formulas (v = ``versions.current()``, v0 = ``start_version``, η = ``max_staleness``,
+    B = ``batch_groups``):
+
+    * admit n more prompts iff ``in_window + running + n ≤ (η + (v − v0) + 1) · B``; for n = 1 this
+      is exactly AReaL's ``accepted + running < (η + version + 1) · batch_size``, where a group
+      dropped after acceptance (stale at hand-out, capacity) gives its slot back, as a
+      dynamic-sampling drop does — otherwise every such drop would shrink the window for good
+      and the run could deadlock with fewer than B groups queued and no slot left.
+    * a group is stale iff ``v − min_version > η``; it is dropped on arrival and, if already
+      queued, when the learner next asks for a batch.
+
+    Guarantee (PER SAMPLE): every token of every group returned by :meth:`take_batch` was produced
+    by a policy version ≥ v − η, v being the version current at hand-out (the learner trains on
+    the batch at v). Admission is only an aggregate bound on how far generation runs ahead; the
+    stale drop is what makes the guarantee per sample.
+
+    η = 0 is synchronous: the learner holds version v's batch while it trains, so in_window =
+    (v − v0 + 1)·B and nothing more is admitted until the version advances; then exactly B
+    prompts are admitted per version (plus one replacement per dropped group).
+
+    Capacity: construction requires ``capacity ≥ (η + 1) · B``. When the version advances only
+    after the learner has taken a batch, depth ≤ (η + 1) · B follows from the admission rule, so
+    the queue never overflows; if an arrival still finds it full (a version source moved by
+    someone else), the OLDEST queued group is dropped and counted in ``dropped_capacity``.
+
+    Wake-ups for the actor that wraps this: admission capacity can only grow after a version
+    advance, an arrival whose outcome is in :data:`FREES_ADMISSION` (or that pushed out an
+    old group), a :meth:`take_batch` that dropped stale groups, or :meth:`abandon`; checking
+    ``capacity_to_admit() > 0`` after each call is O(1) and enough. A batch can only become
+    available after an ``accepted`` arrival.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_groups: int,
+        max_staleness: int,
+        capacity: int,
+        dynamic_sampling: bool,
+        versions: VersionSource,
+        start_version: int | None = None,
+    ) -> None:
+        if batch_groups < 1:
+            raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if capacity < (max_staleness + 1) * batch_groups:
+            raise ValueError(
+                f"replay capacity {capacity} < (max_staleness + 1) * batch_groups = "
+                f"({max_staleness} + 1) * {batch_groups} = {(max_staleness + 1) * batch_groups}: "
+                "the admission rule lets that many groups be queued at once"
+            )
+        self.batch_groups = batch_groups
+        self.max_staleness = max_staleness
+        self.capacity = capacity
+        self.dynamic_sampling = dynamic_sampling
+        self._versions = versions
+        # On a resume pass the restored version explicitly: a queue actor started before the
+        # learner restored its checkpoint would otherwise read 0 here and burst later.
+        self.start_version = versions.current() if start_version is None else start_version
+        self._queue: deque[G] = deque()
+        self.stats = ReplayStats()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def queued(self) -> tuple[G, ...]:
+        """The queued groups, oldest first (a checkpoint gives their prompts back to the cursor)."""
+        return tuple(self._queue)
+
+    # ------------------------------------------------------------------------------ versions
+    def version(self) -> int:
+        return self._versions.current()
+
+    def staleness(self, group: GroupLike, version: int | None = None) -> int:
+        """``v − min_version``: how many versions the group's oldest token is behind v."""
+        return (self.version() if version is None else version) - group.min_version
+
+    def is_stale(self, group: GroupLike, version: int | None = None) -> bool:
+        return self.staleness(group, version) > self.max_staleness
+
+    # ----------------------------------------------------------------------------- admission
+    def admission_limit(self) -> int:
+        """``(η + (v − v0) + 1) · B``: the most in_window + running prompts allowed now."""
+        return (self.max_staleness + self.version() - self.start_version + 1) * self.batch_groups
+
+    def capacity_to_admit(self) -> int:
+        """How many prompts :meth:`admit` would accept now (≥ 0)."""
+        return max(0, self.admission_limit() - self.stats.in_window - self.stats.running)
+
+    def can_admit(self, n: int = 1) -> bool:
+        """True iff ``in_window + running + n ≤ (η + (v − v0) + 1) · B``."""
+        _check_count(n)
+        return n <= self.capacity_to_admit()
+
+    def admit(self, n: int = 1) -> bool:
+        """Admit n prompts at once if :meth:`can_admit` allows; all or nothing."""
+        if not self.can_admit(n):
+            return False
+        self.stats.admitted += n
+        return True
+
+    def abandon(self, n: int = 1) -> None:
+        """Give back the slots of n admitted prompts that will never send a group."""
+        _check_count(n)
+        if n > self.stats.running:
+            raise ValueError(f"cannot abandon {n} prompts: only {self.stats.running} running")
+        self.stats.abandoned += n
+
+    # ------------------------------------------------------------------------------- arrival
+    def on_group(self, group: G) -> str:
+        """Classify an arriving group, queue it if accepted, and return the outcome."""
+        if self.stats.running < 1:
+            raise ValueError("a group arrived with no admitted prompt running (never admitted?)")
+        outcome = self._classify(group)  # may raise: decide before changing any counter
+        self.stats.received += 1
+        if outcome == ACCEPTED:
+            self._enqueue(group)
+        else:
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        return outcome
+
+    def _classify(self, group: GroupLike) -> str:
+        accuracies = tuple(group.accuracies)
+        if not accuracies:
+            raise ValueError("a group with no samples")
+        # Staleness first: a stale group is unusable whatever its accuracies, and counting it
+        # as stale tells the operator η (or the rollout speed) is the problem.
+        if self.is_stale(group):
+            return DROPPED_STALE
+        if not self.dynamic_sampling or keep_group(accuracies):
+            return ACCEPTED
+        return DROPPED_ALL_CORRECT if all(accuracies) else DROPPED_ALL_WRONG
+
+    def _enqueue(self, group: G) -> None:
+        if len(self._queue) >= self.capacity:
+            self._queue.popleft()  # the oldest is the nearest to going stale anyway
+            self.stats.dropped_capacity += 1
+        self._queue.append(group)
+        self.stats.accepted += 1
+        self.stats.depth = len(self._queue)
+
+    # ------------------------------------------------------------------------------ hand-out
+    def take_batch(self) -> list[G] | None:
+        """Drop queued groups stale at the current version, then return the B oldest, or None
+        (removing nothing more) when fewer than B remain."""
+        version = self.version()
+        self._drop_stale(version)
+        if len(self._queue) < self.batch_groups:
+            return None
+        batch = [self._queue.popleft() for _ in range(self.batch_groups)]
+        self.stats.depth = len(self._queue)
+        self.stats.handed_out += len(batch)
+        self._record_staleness([self.staleness(group, version) for group in batch])
+        return batch
+
+    def _drop_stale(self, version: int) -> None:
+        fresh = deque(group for group in self._queue if not self.is_stale(group, version))
+        self.stats.dropped_stale_at_handout += len(self._queue) - len(fresh)
+        self._queue = fresh
+        self.stats.depth = len(fresh)
+
+    def _record_staleness(self, values: list[int]) -> None:
+        stats = self.stats
+        stats.batches += 1
+        stats.last_batch_staleness_mean = sum(values) / len(values)
+        stats.last_batch_staleness_max = max(values)
+        for value in values:
+            stats.staleness_hist[value] = stats.staleness_hist.get(value, 0) + 1
+
+
+def _check_count(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")

@@ -1,0 +1,162 @@
+"""Rollout actor on real SGLang (CPU) + real Ray + real zmq + a real gloo weight broadcast.
+
+One actor serves every test in this module (an engine start costs 25-60 s here). The test process plays
+the learner: it owns rank 0 of the weight-update group and broadcasts tensors while the actor loads them.
+"""
+
+import time
+
+import pytest
+import torch
+
+from async_dapo.bootstrap import encode_prompt
+from async_dapo.config import load_config
+from async_dapo.data import train_rows
+from async_dapo.weight_sync import TensorMeta, broadcast_tensors, free_port, open_update_group
+from tests.conftest import CPU_CONFIG
+
+pytestmark = pytest.mark.integration
+TOL = 2e-4  # see test_engine_logprobs.py for why
+GROUP = "weights"
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_model):
+    return load_config(CPU_CONFIG, [
+        f"model.path={tiny_model}", "rollout.n=4", "algorithm.train_batch_groups=4",
+        "learner.mini_batch_groups=4", "replay.max_staleness=1", "rollout.max_inflight_prompts=8",
+        "rollout.engine.context_length=512",
+    ])
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def system(cfg, ray_cluster):
+    from async_dapo.replay_service import replay_actor_class
+    from async_dapo.rollout import rollout_actor_class
+
+    ray = ray_cluster
+    queue = replay_actor_class(cfg).remote(cfg)
+    actor = rollout_actor_class(cfg).remote(cfg, 0)
+    ray.get(actor.get_stats.remote(), timeout=300)  # engine is up: a failed start surfaces here
+    port = free_port()
+    joined = actor.join_weight_group.remote("127.0.0.1", port, 2, 1, GROUP, "gloo")
+    pg = open_update_group("127.0.0.1", port, 2, GROUP, "gloo", timeout_s=120)
+    ray.get(joined)
+    yield queue, actor, pg
+    ray.get(actor.shutdown.remote())
+    ray.get(queue.close.remote())
+
+
+def _hf_logprobs(state, model_path, prompt, output):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def test_actor_streams_groups_into_queue(system, cfg):
+    import ray
+
+    queue, actor, _ = system
+    ray.get(actor.start.remote(queue, ray.get(queue.address.remote())))
+    batch = ray.get(queue.get_batch.remote(), timeout=600)
+    assert len(batch) == 4
+    for g in batch:
+        assert len(g.samples) == 4
+        accs = [s.acc for s in g.samples]
+        assert 0 < sum(accs) < 4  # dynamic sampling: only mixed groups reach the learner
+        for s in g.samples:
+            assert len(s.response_ids) == len(s.logprobs) == len(s.versions) >= 1
+            assert set(s.versions.tolist()) == {0}
+            assert s.score == (1.0 if s.acc else -1.0)
+            assert s.reward <= s.score  # the overlong penalty only subtracts
+            assert (s.logprobs <= 0).all()
+    stats = ray.get(queue.stats.remote())
+    assert stats["accepted"] >= 4
+    assert stats["received"] == stats["accepted"] + stats["dropped_all_correct"] + stats["dropped_all_wrong"] \
+        + stats["dropped_stale"]
+    assert stats["dropped_all_correct"] + stats["dropped_all_wrong"] > 0  # level mix makes uniform groups
+    # Admission bound (AReaL): the actor never admits past (eta + version + 1) * B prompts.
+    stats = ray.get(queue.stats.remote())
+    assert stats["in_window"] + stats["running"] <= (1 + 0 + 1) * 4
+
+
+def _new_weights(model_path, seed):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    named = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()]
+    return named
+
+
+def _push(actor, pg, named, version, mode):
+    import ray
+
+    meta = TensorMeta.of(named)
+    ref = actor.update_weights.remote(meta.names, meta.dtypes, meta.shapes, GROUP, version, mode)
+    broadcast_tensors(pg, [t for _, t in named])
+    return ray.get(ref, timeout=300)
+
+
+@pytest.mark.parametrize("mode, version", [("inflight", 1), ("drain", 2), ("abort", 3)])
+def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model, mode, version):
+    import ray
+
+    _, actor, pg = system
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [encode_prompt(tok, r) for r in train_rows(cfg)[:3]]
+    old_state = dict(_new_weights(tiny_model, version - 1)) if version > 1 else None
+    named = _new_weights(tiny_model, version)
+    # Long requests are running when the update arrives, so each mode's handling of them is exercised.
+    params = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}
+    running = actor.generate.remote(prompts, params)
+    deadline = time.time() + 60
+    while ray.get(actor.num_running_requests.remote()) < len(prompts) and time.time() < deadline:
+        time.sleep(0.05)
+    assert ray.get(actor.num_running_requests.remote()) >= len(prompts)
+    _push(actor, pg, named, version, mode)
+    outs = ray.get(running, timeout=600)
+
+    new_state = dict(named)
+    for prompt, out in zip(prompts, outs):
+        ids = out["output_ids"]
+        lps = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]])
+        spans = out["meta_info"].get("weight_versions") or []
+        versions = [int(s["version"]) if s["version"].isdigit() else 0
+                    for s in spans for _ in range(s["end"] - s["start"])]
+        assert len(versions) == len(ids) == 300
+        switch = versions.index(version) if version in versions else len(ids)
+        if mode == "inflight":  # started on the old weights, finished on the new ones
+            assert 0 < switch < len(ids) and set(versions[switch:]) == {version}
+        elif mode == "drain":  # finished entirely on the old weights before the update
+            assert switch == len(ids)
+        else:  # aborted and resampled entirely on the new weights
+            assert switch == 0
+        if switch < len(ids):
+            new_ref = _hf_logprobs(new_state, tiny_model, prompt, ids)
+            assert (new_ref[switch:] - lps[switch:]).abs().max().item() < TOL
+        if switch > 0:
+            old_ref = _hf_logprobs(old_state, tiny_model, prompt, ids) if old_state else \
+                _hf_logprobs({}, tiny_model, prompt, ids)
+            assert (old_ref[:switch] - lps[:switch]).abs().max().item() < TOL
+    # After the update every new sample is on the new version and matches the new weights.
+    fresh = ray.get(actor.generate.remote(prompts[:1], {"temperature": 1.0, "max_new_tokens": 8}))[0]
+    assert {s["version"] for s in fresh["meta_info"]["weight_versions"]} == {str(version)}
+    ref = _hf_logprobs(new_state, tiny_model, prompts[0], fresh["output_ids"])
+    got = torch.tensor([lp for lp, *_ in fresh["meta_info"]["output_token_logprobs"]])
+    assert (ref - got).abs().max().item() < TOL

@@ -1,0 +1,449 @@
+"""Tests for async_dapo.replay: hand-computed admission numbers, drops by reason, FIFO hand-out,
+and a hypothesis state machine checking the staleness guarantee and the admission bound under
+random interleavings (the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from async_dapo.replay import (
+    ACCEPTED,
+    DROPPED_ALL_CORRECT,
+    DROPPED_ALL_WRONG,
+    DROPPED_STALE,
+    FREES_ADMISSION,
+    FakeVersionSource,
+    ReplayPolicy,
+)
+
+MIXED = (True, False)
+ALL_CORRECT = (True, True)
+ALL_WRONG = (False, False)
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Grp:
+    group_id: str
+    min_version: int
+    accuracies: tuple[bool, ...] = MIXED
+
+
+def grp(min_version: int = 0, accuracies: tuple[bool, ...] = MIXED) -> Grp:
+    return Grp(f"g{next(_ids)}", min_version, accuracies)
+
+
+def make(
+    *, b: int, eta: int, capacity: int | None = None, ds: bool = True, start: int = 0
+) -> tuple[ReplayPolicy[Grp], FakeVersionSource]:
+    versions = FakeVersionSource(start)
+    policy: ReplayPolicy[Grp] = ReplayPolicy(
+        batch_groups=b,
+        max_staleness=eta,
+        capacity=(eta + 1) * b if capacity is None else capacity,
+        dynamic_sampling=ds,
+        versions=versions,
+    )
+    return policy, versions
+
+
+def arrive(policy: ReplayPolicy[Grp], *groups: Grp) -> list[str]:
+    return [policy.on_group(g) for g in groups]
+
+
+# --------------------------------------------------------------------------------- admission
+
+
+def test_admission_hand_computed():
+    policy, versions = make(b=4, eta=1)
+    # (η + v + 1)·B = (1 + 0 + 1)·4 = 8 prompts admissible at v = 0.
+    assert policy.admission_limit() == 8
+    assert policy.capacity_to_admit() == 8
+    assert policy.can_admit(8) and not policy.can_admit(9)
+    assert policy.admit(8)
+    assert policy.capacity_to_admit() == 0 and not policy.can_admit()
+    assert not policy.admit()  # refused: nothing recorded
+    assert policy.stats.admitted == 8 and policy.stats.running == 8
+    # 3 accepted: accepted + running = 3 + 5 = 8 -> still no slot.
+    assert arrive(policy, grp(), grp(), grp()) == [ACCEPTED] * 3
+    assert policy.capacity_to_admit() == 0
+    # A dynamic-sampling drop: 3 + 4 = 7 < 8 -> one slot.
+    assert arrive(policy, grp(accuracies=ALL_CORRECT)) == [DROPPED_ALL_CORRECT]
+    assert policy.capacity_to_admit() == 1
+    # v = 1: limit (1 + 1 + 1)·4 = 12, 12 − 7 = 5 -> four more slots.
+    versions.advance()
+    assert policy.admission_limit() == 12
+    assert policy.capacity_to_admit() == 5
+    assert policy.admit(5) and not policy.can_admit()
+
+
+def test_admit_is_all_or_nothing_and_checks_n():
+    policy, _ = make(b=2, eta=0)
+    assert not policy.admit(3)  # limit 2
+    assert policy.stats.admitted == 0
+    with pytest.raises(ValueError):
+        policy.can_admit(0)
+
+
+def test_eta_zero_is_synchronous():
+    b = 2
+    policy, versions = make(b=b, eta=0)
+    for v in range(3):
+        # Exactly one batch worth of prompts per version...
+        assert policy.capacity_to_admit() == b
+        assert policy.admit(b) and not policy.can_admit()
+        assert arrive(policy, grp(v), grp(v)) == [ACCEPTED, ACCEPTED]
+        batch = policy.take_batch()
+        assert batch is not None and len(batch) == b
+        # ...and none while the learner trains on it (handed_out counts against the window).
+        assert policy.capacity_to_admit() == 0
+        versions.advance()
+    # A group generated at v = 2 arriving at v = 3 is stale when η = 0.
+    policy.admit()
+    assert arrive(policy, grp(2)) == [DROPPED_STALE]
+
+
+def test_resume_counts_versions_from_start():
+    # A resumed run at v = 5 with fresh counters admits (η + 1)·B, not (η + 5 + 1)·B (AReaL #1345).
+    versions = FakeVersionSource(5)
+    policy = ReplayPolicy(
+        batch_groups=4, max_staleness=1, capacity=8, dynamic_sampling=True, versions=versions
+    )
+    assert policy.capacity_to_admit() == 8
+    explicit = ReplayPolicy(
+        batch_groups=4,
+        max_staleness=1,
+        capacity=8,
+        dynamic_sampling=True,
+        versions=FakeVersionSource(0),
+        start_version=5,
+    )
+    assert explicit.admission_limit() == (1 + (0 - 5) + 1) * 4 == -12
+    assert explicit.capacity_to_admit() == 0
+
+
+def test_abandon_frees_slots():
+    policy, _ = make(b=2, eta=0)
+    policy.admit(2)
+    policy.abandon()
+    assert policy.stats.running == 1 and policy.capacity_to_admit() == 1
+    with pytest.raises(ValueError):
+        policy.abandon(2)
+
+
+# ------------------------------------------------------------------------------ construction
+
+
+def test_capacity_below_window_rejected():
+    with pytest.raises(ValueError, match=r"\(1 \+ 1\) \* 4 = 8"):
+        make(b=4, eta=1, capacity=7)
+    make(b=4, eta=1, capacity=8)  # exactly (η + 1)·B is enough
+
+
+@pytest.mark.parametrize("kwargs", [{"b": 0, "eta": 0, "capacity": 1}, {"b": 1, "eta": -1, "capacity": 1}])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        make(**kwargs)
+
+
+# ---------------------------------------------------------------------------------- arrival
+
+
+def test_dynamic_sampling_drops_counted_by_reason():
+    policy, _ = make(b=2, eta=0, capacity=4)
+    policy.admit(2)
+    assert arrive(policy, grp(accuracies=ALL_CORRECT), grp(accuracies=(False,) * 3)) == [
+        DROPPED_ALL_CORRECT,
+        DROPPED_ALL_WRONG,
+    ]
+    policy.admit(2)
+    assert arrive(policy, grp(accuracies=(True,)), grp(accuracies=(True, False, True))) == [
+        DROPPED_ALL_CORRECT,  # a group of one is never kept by dynamic sampling
+        ACCEPTED,
+    ]
+    s = policy.stats
+    assert (s.dropped_all_correct, s.dropped_all_wrong, s.accepted, s.received) == (2, 1, 1, 4)
+    assert {DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG} <= FREES_ADMISSION
+
+
+def test_dynamic_sampling_off_accepts_all_fresh_groups():
+    policy, versions = make(b=3, eta=0, ds=False)
+    policy.admit(3)
+    assert arrive(policy, grp(accuracies=ALL_CORRECT), grp(accuracies=ALL_WRONG), grp()) == [ACCEPTED] * 3
+    policy.take_batch()
+    versions.advance()
+    policy.admit()
+    assert arrive(policy, grp(0, ALL_CORRECT)) == [DROPPED_STALE]  # staleness still applies
+
+
+def test_stale_on_arrival_boundary():
+    policy, versions = make(b=2, eta=1, start=3)
+    policy.admit(2)
+    # v = 3, η = 1: min_version 2 is 1 behind (kept), min_version 1 is 2 behind (dropped).
+    assert arrive(policy, grp(2), grp(1)) == [ACCEPTED, DROPPED_STALE]
+    assert policy.stats.dropped_stale == 1
+    # limit (1 + 0 + 1)·2 = 4 (versions count from v0 = 3); in_window 1, running 0 -> 3: the
+    # stale group gave its slot back.
+    assert policy.capacity_to_admit() == 3
+    # Stale is checked before dynamic sampling.
+    policy.admit()
+    assert arrive(policy, grp(0, ALL_CORRECT)) == [DROPPED_STALE]
+
+
+def test_arrival_errors_change_nothing():
+    policy, _ = make(b=1, eta=0)
+    with pytest.raises(ValueError, match="no admitted prompt"):
+        policy.on_group(grp())
+    policy.admit()
+    with pytest.raises(ValueError):
+        policy.on_group(grp(accuracies=()))
+    with pytest.raises(ValueError):  # a shaped reward is not an accuracy (loss.keep_group)
+        policy.on_group(Grp("r", 0, (1.0, -1.0)))  # type: ignore[arg-type]
+    assert policy.stats.received == 0 and policy.stats.running == 1
+
+
+# --------------------------------------------------------------------------------- hand-out
+
+
+def test_fifo_exactly_b_and_none_when_short():
+    policy, _ = make(b=3, eta=2)
+    policy.admit(7)
+    groups = [grp() for _ in range(7)]
+    arrive(policy, *groups)
+    assert policy.take_batch() == groups[0:3]
+    assert policy.take_batch() == groups[3:6]
+    assert policy.take_batch() is None  # 1 < 3 left, and it stays queued
+    assert len(policy) == policy.stats.depth == 1
+    assert policy.stats.handed_out == 6 and policy.stats.batches == 2
+
+
+def test_stale_at_handout_dropped_and_counted():
+    # B = 1, η = 1. x1 is admitted at v = 0 but arrives late, behind x2, with tokens from v = 0.
+    policy, versions = make(b=1, eta=1)
+    assert policy.admit(2)  # limit (1 + 0 + 1)·1 = 2
+    x0, x1 = grp(0), grp(0)
+    arrive(policy, x0)
+    assert policy.take_batch() == [x0]
+    versions.advance()  # v = 1: limit 3, in_window 1 + running 1 -> one slot
+    assert policy.capacity_to_admit() == 1 and policy.admit()
+    x2 = grp(1)
+    assert arrive(policy, x2, x1) == [ACCEPTED, ACCEPTED]  # x1: 1 − 0 = 1 ≤ η
+    assert policy.take_batch() == [x2]
+    versions.advance()  # v = 2: x1 is now 2 behind
+    assert policy.take_batch() is None
+    s = policy.stats
+    assert s.dropped_stale_at_handout == 1 and s.depth == 0
+    # limit (1 + 2 + 1)·1 = 4; in_window = 3 accepted − 1 dropped = 2 (x0, x2); running 0.
+    assert s.in_window == 2 and policy.capacity_to_admit() == 2
+
+
+def test_staleness_stats_of_handed_out_groups():
+    policy, versions = make(b=2, eta=2, start=2)
+    policy.admit(4)
+    arrive(policy, grp(1), grp(2), grp(0), grp(0))
+    policy.take_batch()  # staleness 1, 0
+    s = policy.stats
+    assert (s.last_batch_staleness_mean, s.last_batch_staleness_max) == (0.5, 1)
+    policy.take_batch()  # staleness 2, 2
+    assert (s.last_batch_staleness_mean, s.last_batch_staleness_max) == (2.0, 2)
+    assert s.staleness_hist == {0: 1, 1: 1, 2: 2}
+    snap = s.snapshot()
+    assert snap["staleness_hist/2"] == 2 and snap["handed_out"] == 4 and snap["running"] == 0
+    assert snap["depth"] == 0 and snap["in_window"] == 4
+    assert all(isinstance(value, (int, float)) for value in snap.values())
+
+
+def test_capacity_overflow_drops_oldest():
+    # A version source moved without the learner taking batches can overfill the queue.
+    policy, versions = make(b=2, eta=0, capacity=2, ds=False)
+    policy.admit(2)
+    a, b = grp(0), grp(0)
+    arrive(policy, a, b)
+    versions.advance()
+    policy.admit(2)
+    c, d = grp(1), grp(1)
+    arrive(policy, c)
+    assert policy.stats.dropped_capacity == 1 and len(policy) == 2
+    arrive(policy, d)
+    assert policy.stats.dropped_capacity == 2
+    assert policy.take_batch() == [c, d]
+
+
+# ------------------------------------------------------------------------------ property tests
+
+
+@dataclass(frozen=True)
+class SimGroup:
+    group_id: int
+    min_version: int
+    max_version: int
+    accuracies: tuple[bool, ...]
+
+
+class Sim:
+    """Producers admit prompts and deliver groups in any order, with token versions anywhere
+    between the admission version and now (in-flight weight updates); the learner takes a batch,
+    trains, then advances the version. A plain-list reference queue checks every decision."""
+
+    def __init__(self, b: int, eta: int, extra: int, ds: bool) -> None:
+        self.b, self.eta, self.ds = b, eta, ds
+        self.versions = FakeVersionSource()
+        self.policy: ReplayPolicy[SimGroup] = ReplayPolicy(
+            batch_groups=b,
+            max_staleness=eta,
+            capacity=(eta + 1) * b + extra,
+            dynamic_sampling=ds,
+            versions=self.versions,
+        )
+        self.in_flight: list[int] = []  # admission version of each running prompt
+        self.model_queue: list[SimGroup] = []
+        self.training = False  # the learner holds a batch and has not advanced yet
+        self.next_id = 0
+
+    @property
+    def v(self) -> int:
+        return self.versions.current()
+
+    def admit(self, n: int) -> None:
+        allowed = self.policy.capacity_to_admit() >= n
+        assert self.policy.can_admit(n) == allowed
+        assert self.policy.admit(n) == allowed
+        if allowed:
+            self.in_flight += [self.v] * n
+
+    def arrive(self, data: st.DataObject) -> None:
+        # Newest-first arrivals and oldest-possible tokens are weighted up: they are the
+        # overtaking, late groups that exercise the stale drops.
+        last = len(self.in_flight) - 1
+        admitted_at = self.in_flight.pop(data.draw(st.just(last) | st.integers(0, last)))
+        lo = data.draw(st.just(admitted_at) | st.integers(admitted_at, self.v))
+        hi = data.draw(st.integers(lo, self.v))
+        # Half mixed groups, so that batches fill and versions advance despite dynamic sampling.
+        accuracies = tuple(data.draw(st.just(MIXED) | st.lists(st.booleans(), min_size=1, max_size=4)))
+        group = SimGroup(self.next_id, lo, hi, accuracies)
+        self.next_id += 1
+        if self.v - lo > self.eta:
+            expected = DROPPED_STALE
+        elif self.ds and all(accuracies):
+            expected = DROPPED_ALL_CORRECT
+        elif self.ds and not any(accuracies):
+            expected = DROPPED_ALL_WRONG
+        else:
+            expected = ACCEPTED
+            self.model_queue.append(group)
+        assert self.policy.on_group(group) == expected
+
+    def learner_take(self) -> None:
+        self.model_queue = [g for g in self.model_queue if self.v - g.min_version <= self.eta]
+        batch = self.policy.take_batch()
+        if len(self.model_queue) < self.b:
+            assert batch is None
+            return
+        assert batch == self.model_queue[: self.b]  # exactly B, oldest arrival first
+        del self.model_queue[: self.b]
+        for group in batch:  # (1) the per-sample guarantee
+            assert 0 <= self.v - group.min_version <= self.eta
+        self.training = True
+
+    def learner_advance(self) -> None:
+        self.versions.advance()
+        self.training = False
+
+    def check(self) -> None:
+        s = self.policy.stats
+        # (2) the admission bound.
+        assert s.in_window + s.running <= (self.eta + self.v + 1) * self.b
+        # (3) counters.
+        dropped = s.dropped_all_correct + s.dropped_all_wrong + s.dropped_stale
+        assert s.received == s.accepted + dropped
+        assert s.depth == len(self.policy) == len(self.model_queue)
+        assert s.depth == s.accepted - s.handed_out - s.dropped_stale_at_handout - s.dropped_capacity
+        assert s.running == len(self.in_flight) >= 0
+        assert s.handed_out == (self.v + self.training) * self.b
+        # The version advances only after a take, so depth ≤ (η + 1)·B ≤ capacity: no overflow.
+        assert s.depth <= (self.eta + 1) * self.b and s.dropped_capacity == 0
+        # No deadlock: nothing in flight, learner waiting, < B usable groups -> producers may admit.
+        if not self.in_flight and not self.training:
+            fresh = [g for g in self.model_queue if self.v - g.min_version <= self.eta]
+            if len(fresh) < self.b:
+                assert self.policy.can_admit()
+
+    def step(self, data: st.DataObject) -> None:
+        """One random enabled action (used by the long-sequence test)."""
+        actions = ["admit", "learner_advance" if self.training else "learner_take"]
+        if self.in_flight:
+            actions.append("arrive")
+        action = data.draw(st.sampled_from(actions))
+        if action == "admit":
+            self.admit(data.draw(st.integers(1, 3)))
+        elif action == "arrive":
+            self.arrive(data)
+        else:
+            getattr(self, action)()
+        self.check()
+
+
+SIM_PARAMS = {
+    "b": st.integers(1, 4),
+    "eta": st.integers(0, 2),
+    "extra": st.integers(0, 3),
+    "ds": st.booleans(),
+}
+
+
+class ReplayMachine(RuleBasedStateMachine):
+    """The same simulation as a hypothesis state machine (short runs, good shrinking)."""
+
+    @initialize(**SIM_PARAMS)
+    def setup(self, b: int, eta: int, extra: int, ds: bool) -> None:
+        self.sim = Sim(b, eta, extra, ds)
+
+    @rule(n=st.integers(1, 3))
+    def admit(self, n: int) -> None:
+        self.sim.admit(n)
+
+    @precondition(lambda self: self.sim.in_flight)
+    @rule(data=st.data())
+    def arrive(self, data: st.DataObject) -> None:
+        self.sim.arrive(data)
+
+    @precondition(lambda self: not self.sim.training)
+    @rule()
+    def learner_take(self) -> None:
+        self.sim.learner_take()
+
+    @precondition(lambda self: self.sim.training)
+    @rule()
+    def learner_advance(self) -> None:
+        self.sim.learner_advance()
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.sim.check()
+
+
+TestReplayMachine = ReplayMachine.TestCase
+TestReplayMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), steps=st.integers(100, 300), **SIM_PARAMS)
+def test_long_random_interleavings(
+    data: st.DataObject, steps: int, b: int, eta: int, extra: int, ds: bool
+) -> None:
+    # Long runs reach many versions, where late groups go stale on arrival and at hand-out.
+    sim = Sim(b, eta, extra, ds)
+    for _ in range(steps):
+        sim.step(data)

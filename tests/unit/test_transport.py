@@ -1,0 +1,244 @@
+"""Tests for async_dapo.transport over real zmq sockets on 127.0.0.1.
+
+Every socket is closed in a fixture's ``finally`` (or a ``with``), so a failing test leaves no
+bound port behind. Timeouts are short: each test runs well under 2 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from async_dapo.config import TransportConfig
+from async_dapo.transport import GroupReceiver, GroupSender
+from async_dapo.wire import Group, Sample, encode_group
+
+RECV_MS = 1000  # generous per-message wait; a healthy local delivery takes well under 10 ms
+
+
+def make_group(tag: str, n_tokens: int = 3, version: int = 0) -> Group:
+    sample = Sample(
+        response_ids=np.arange(1, n_tokens + 1, dtype=np.int32),
+        logprobs=np.full(n_tokens, -0.5, dtype=np.float32),
+        versions=np.full(n_tokens, version, dtype=np.int32),
+        reward=1.0, score=1.0, acc=True, truncated=False, finish_reason="stop", gen_seconds=0.1,
+    )
+    return Group(group_id=tag, prompt_index=0, epoch=0, engine_rank=0, prompt_ids=np.array([7, 8], np.int32),
+                 ground_truth="1", data_source="t", samples=(sample,), created_at=1.0, admitted_version=version)
+
+
+def foreign_schema_bytes() -> bytes:
+    obj = msgpack.unpackb(encode_group(make_group("foreign")), raw=False)
+    obj["schema"] = "someone_else.batch"
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.fixture
+def receiver():
+    rx = GroupReceiver(max_message_bytes=4096)
+    try:
+        yield rx
+    finally:
+        rx.close()
+
+
+@pytest.fixture
+def connect():
+    """Factory of senders connected to a receiver; all closed at teardown."""
+    made: list[GroupSender] = []
+
+    def _connect(rx: GroupReceiver, **kw) -> GroupSender:
+        made.append(GroupSender(rx.address, **kw))
+        return made[-1]
+
+    try:
+        yield _connect
+    finally:
+        for tx in made:
+            tx.close()
+
+
+@pytest.fixture
+def raw_push():
+    """A bare PUSH socket for frames GroupSender cannot produce (multipart)."""
+    socks: list[zmq.Socket] = []
+
+    def _make(address: str) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        socks.append(sock)
+        return sock
+
+    try:
+        yield _make
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+
+
+def test_groups_arrive_in_order_and_intact(receiver, connect):
+    tx = connect(receiver)
+    sent = [make_group(f"g{i}", n_tokens=i + 1, version=i) for i in range(20)]
+    for group in sent:
+        tx.send(group)
+    got = [receiver.recv(RECV_MS) for _ in sent]
+    assert [g.group_id for g in got] == [f"g{i}" for i in range(20)]
+    assert got == sent
+    assert got[19].samples[0].versions.tolist() == [19] * 20
+    assert receiver.counters == {"received": 20, "rejected_malformed": 0, "rejected_oversized": 0,
+                                 "rejected_schema": 0}
+    assert receiver.last_error is None
+
+
+def test_bad_frames_dropped_and_counted_valid_ones_delivered(receiver, connect):
+    tx = connect(receiver)
+    tx.send(make_group("first"))
+    tx.send_bytes(b"not msgpack at all \xc1")
+    tx.send(make_group("too-big", n_tokens=1000))  # a VALID group, but ~12 kB > 4096
+    tx.send_bytes(foreign_schema_bytes())
+    tx.send(make_group("last"))
+    assert receiver.recv(RECV_MS).group_id == "first"
+    assert receiver.recv(RECV_MS).group_id == "last"
+    assert receiver.counters == {"received": 2, "rejected_malformed": 1, "rejected_oversized": 1,
+                                 "rejected_schema": 1}
+    assert receiver.last_error == "schema: foreign schema 'someone_else.batch' (expected 'async_dapo.group')"
+    assert receiver.recv(timeout_ms=20) is None
+
+
+def test_newer_version_counted_as_schema_and_reason_kept(receiver, connect):
+    obj = msgpack.unpackb(encode_group(make_group("v2")), raw=False)
+    obj["v"] = 2
+    tx = connect(receiver)
+    tx.send_bytes(msgpack.packb(obj, use_bin_type=True))
+    tx.send_bytes(b"\x81\xa1a")  # truncated map
+    tx.send(make_group("ok"))
+    assert receiver.recv(RECV_MS).group_id == "ok"
+    assert receiver.counters["rejected_schema"] == 1 and receiver.counters["rejected_malformed"] == 1
+    assert receiver.last_error.startswith("message: not valid msgpack (")
+
+
+def test_multipart_frames_are_malformed(receiver, raw_push):
+    sock = raw_push(receiver.address)
+    good = encode_group(make_group("ok"))
+    sock.send_multipart([good, good])
+    sock.send(good)
+    assert receiver.recv(RECV_MS).group_id == "ok"
+    assert receiver.counters == {"received": 1, "rejected_malformed": 1, "rejected_oversized": 0,
+                                 "rejected_schema": 0}
+    assert receiver.last_error == "message: 2 frames, expected 1"
+
+
+def test_recv_timeout_returns_none(receiver):
+    start = time.monotonic()
+    assert receiver.recv(timeout_ms=100) is None
+    assert 0.09 <= time.monotonic() - start < 1.0
+    start = time.monotonic()
+    assert receiver.recv(timeout_ms=0) is None
+    assert time.monotonic() - start < 0.1
+
+
+def test_only_garbage_within_timeout_returns_none(receiver, connect):
+    tx = connect(receiver)
+    for _ in range(5):
+        tx.send_bytes(b"\xc1")
+    deadline = time.monotonic() + 1.0
+    while receiver.counters["rejected_malformed"] < 5 and time.monotonic() < deadline:
+        assert receiver.recv(timeout_ms=50) is None
+    assert receiver.counters["rejected_malformed"] == 5 and receiver.counters["received"] == 0
+
+
+def test_two_senders_into_one_receiver(receiver, connect):
+    a, b = connect(receiver), connect(receiver)
+    for i in range(10):
+        a.send(make_group(f"a{i}"))
+        b.send(make_group(f"b{i}"))
+    got = [receiver.recv(RECV_MS).group_id for _ in range(20)]
+    # Fair-queued: interleaving is zmq's business, but each sender's order is kept.
+    assert [g for g in got if g[0] == "a"] == [f"a{i}" for i in range(10)]
+    assert [g for g in got if g[0] == "b"] == [f"b{i}" for i in range(10)]
+    assert receiver.counters["received"] == 20
+
+
+def test_binds_loopback_by_default():
+    with GroupReceiver() as rx:
+        assert rx.port > 0
+        assert rx.address == f"tcp://127.0.0.1:{rx.port}"
+        assert rx._sock.getsockopt_string(zmq.LAST_ENDPOINT) == rx.address
+    cfg = TransportConfig()
+    with GroupReceiver.from_config(cfg) as rx:
+        assert rx.address.startswith("tcp://127.0.0.1:") and rx.max_message_bytes == cfg.max_message_bytes
+        assert rx.hard_cap_bytes == 2 * cfg.max_message_bytes
+
+
+def test_arecv_under_asyncio_and_loop_stays_free(receiver, connect):
+    tx = connect(receiver)
+
+    async def main() -> tuple[list[str], int, Group | None]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(ticker())
+        # Nothing sent yet: arecv must wait without blocking the loop, then time out.
+        empty = await receiver.arecv(timeout_ms=150)
+        tx.send(make_group("x1"))
+        tx.send_bytes(b"garbage")
+        tx.send(make_group("x2"))
+        got = [(await receiver.arecv(RECV_MS)).group_id for _ in range(2)]
+        task.cancel()
+        return got, ticks, empty
+
+    got, ticks, empty = asyncio.run(main())
+    assert empty is None and ticks >= 5
+    assert got == ["x1", "x2"]
+    # A second event loop (pyzmq re-registers the socket) and then a plain recv both still work.
+    tx.send(make_group("x3"))
+    assert asyncio.run(receiver.arecv(RECV_MS)).group_id == "x3"
+    tx.send(make_group("x4"))
+    assert receiver.recv(RECV_MS).group_id == "x4"
+    assert receiver.counters == {"received": 4, "rejected_malformed": 1, "rejected_oversized": 0,
+                                 "rejected_schema": 0}
+
+
+def test_message_over_hard_cap_disconnects_peer_but_receiver_survives(connect):
+    with GroupReceiver(max_message_bytes=1024, hard_cap_bytes=4096) as rx:
+        tx = connect(rx)
+        tx.send_bytes(b"\x00" * 64 * 1024)  # zmq refuses it and drops the connection
+        deadline = time.monotonic() + 1.5
+        got = None
+        while got is None and time.monotonic() < deadline:
+            tx.send(make_group("after"))  # the sender reconnects by itself
+            got = rx.recv(timeout_ms=50)
+        assert got is not None and got.group_id == "after"
+        assert rx.counters["rejected_oversized"] == 0  # not seen by Python: documented
+
+
+def test_send_times_out_when_hwm_full_and_close_does_not_hang():
+    with GroupReceiver() as rx:
+        address = rx.address
+    # Nobody listens any more: messages queue locally until the HWM, then send blocks.
+    tx = GroupSender(address, hwm=2, linger_ms=100)
+    try:
+        with pytest.raises(TimeoutError, match="HWM"):
+            for _ in range(100):
+                tx.send(make_group("stuck"), timeout_ms=20)
+    finally:
+        start = time.monotonic()
+        tx.close()
+        tx.close()  # idempotent
+        assert time.monotonic() - start < 1.0
+
+
+def test_counters_is_a_copy(receiver):
+    receiver.counters["received"] = 99
+    assert receiver.counters["received"] == 0
