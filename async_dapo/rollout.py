@@ -195,7 +195,7 @@ class _Session:
                 raise TimeoutError("drain: requests still running after the timeout")
             await asyncio.sleep(0.01)
 
-    async def _load(self, names, dtypes, shapes, group_name: str, version: int) -> None:
+    async def _load(self, buckets, group_name: str, version: int) -> None:
         from sglang.srt.managers.io_struct import (
             BeginWeightUpdateReqInput, EndWeightUpdateReqInput, UpdateWeightsFromDistributedReqInput,
         )
@@ -204,17 +204,22 @@ class _Session:
         if not ok:
             raise WeightUpdateError(f"begin_weight_update refused: {msg}")
         try:
-            ok, msg = await self.tm.update_weights_from_distributed(
-                UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes,
-                                                     group_name=group_name, weight_version=str(version)),
-                None,
-            )
+            for bucket in buckets:  # the learner broadcasts them in this order
+                ok, msg = await self.tm.update_weights_from_distributed(
+                    UpdateWeightsFromDistributedReqInput(
+                        names=list(bucket.names), dtypes=list(bucket.dtypes),
+                        shapes=[list(x) for x in bucket.shapes], group_name=group_name,
+                        weight_version=str(version), load_format="flattened_bucket", flush_cache=True),
+                    None,
+                )
+                if not ok:
+                    break
         finally:
             end_ok, end_msg = await self.tm.end_weight_update(EndWeightUpdateReqInput(), None)
         if not ok or not end_ok:
             raise WeightUpdateError(f"weight update to version {version} refused: {msg if not ok else end_msg}")
 
-    async def update(self, names, dtypes, shapes, group_name: str, version: int, mode: str) -> float:
+    async def update(self, buckets, group_name: str, version: int, mode: str) -> float:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
         t0 = time.perf_counter()
@@ -226,7 +231,7 @@ class _Session:
         else:
             await self.tm.pause_generation(PauseGenerationReqInput(mode="retract" if mode == "inflight" else "abort"))
         try:
-            await self._load(names, dtypes, shapes, group_name, version)
+            await self._load(buckets, group_name, version)
             self.version = version
         finally:
             if mode != "drain":
@@ -278,15 +283,14 @@ class RolloutWorker:
             master_address=master_addr, master_port=master_port, rank_offset=rank_offset,
             world_size=world_size, group_name=group_name, backend=backend)))
 
-    def update_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                       version: int, mode: str | None = None) -> float:
-        """Receive one pushed version (the learner broadcasts the tensors in this order meanwhile) and
-        run it. ``mode`` overrides rollout.update_mode. Returns seconds spent. Raises WeightUpdateError if
-        SGLang refused."""
+    def update_weights(self, buckets: list, group_name: str, version: int, mode: str | None = None) -> float:
+        """Receive one pushed version — ``buckets`` (weight_sync.Bucket) describe the flat broadcasts the
+        learner sends meanwhile, in order — and run it. ``mode`` overrides rollout.update_mode. Returns
+        seconds spent. Raises WeightUpdateError if SGLang refused."""
         mode = mode or self.session.cfg.rollout.update_mode
         if mode not in ("inflight", "drain", "abort"):
             raise ValueError(f"mode: unknown update mode {mode!r}")
-        return self._call(self.session.update(names, dtypes, shapes, group_name, version, mode))
+        return self._call(self.session.update(buckets, group_name, version, mode))
 
     def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         """Plain sampling for validation and tests (not admitted through the queue)."""

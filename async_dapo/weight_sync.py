@@ -2,13 +2,15 @@
 
 SGLang's ``init_weights_update_group`` builds its side of the group with a TCP rendezvous, a
 ``PrefixStore(group_name, store)`` and torch's process-group helper; :func:`open_update_group` builds the
-matching rank-0 side the same way without importing sglang. Tensors then go out with one broadcast each,
-in exactly the order of the names/dtypes/shapes the engines were told over the control plane (Ray).
+matching rank-0 side the same way without importing sglang. Parameters then go out in buckets, one flat
+broadcast per bucket, in exactly the order of the bucket metadata (names, dtypes, shapes) the engines were
+given first over the control plane (Ray).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 from dataclasses import dataclass
 
@@ -18,20 +20,41 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 
 
 @dataclass(frozen=True)
-class TensorMeta:
-    """What an engine needs to allocate a received tensor: name, dtype name (e.g. 'float32'), shape."""
+class Bucket:
+    """One broadcast's worth of parameters: what an engine needs to allocate and split the flat buffer
+    (SGLang's ``load_format="flattened_bucket"``: the tensors' bytes concatenated in this order)."""
 
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]  # torch dtype names without the "torch." prefix, e.g. "float32"
+    shapes: tuple[tuple[int, ...], ...]
 
-    @classmethod
-    def of(cls, named: list[tuple[str, torch.Tensor]]) -> "TensorMeta":
-        return cls(
-            names=[n for n, _ in named],
-            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in named],
-            shapes=[list(t.shape) for _, t in named],
-        )
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * getattr(torch, d).itemsize for d, s in zip(self.dtypes, self.shapes))
+
+
+def plan_buckets(meta: list[tuple[str, torch.dtype, tuple[int, ...]]], bucket_bytes: int) -> list[Bucket]:
+    """Group (name, dtype, shape) into buckets of at most ``bucket_bytes`` (a larger tensor gets its own),
+    in order, one dtype per bucket so every tensor's byte offset stays aligned to its itemsize."""
+    buckets: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = []
+    size = 0
+    for name, dtype, shape in meta:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not buckets or size + nbytes > bucket_bytes or buckets[-1][-1][1] != dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, dtype, tuple(shape)))
+        size += nbytes
+    return [
+        Bucket(tuple(n for n, _, _ in b), tuple(str(d).removeprefix("torch.") for _, d, _ in b),
+               tuple(s for _, _, s in b))
+        for b in buckets
+    ]
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors`` back to back (uint8), the layout SGLang's flattened bucket expects."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -58,12 +81,12 @@ def open_update_group(
     return pg
 
 
-def broadcast_tensors(pg, tensors: list[torch.Tensor]) -> None:
-    """Send each tensor from rank 0, in order; returns when all sends completed (the buffers may then
-    be changed again)."""
-    handles = [dist.broadcast(t.contiguous(), src=0, group=pg, async_op=True) for t in tensors]
-    for h in handles:
-        h.wait()
+def broadcast_bucket(pg, tensors: list[torch.Tensor]) -> int:
+    """Send one bucket from rank 0 as a single flat broadcast; returns the bytes sent when the send has
+    completed (the source tensors may then change again)."""
+    flat = flatten(tensors)
+    dist.broadcast(flat, src=0, group=pg)
+    return flat.numel()
 
 
 def close_update_group(pg) -> None:

@@ -38,7 +38,7 @@ def _actor(cfg, repeats, pushes, window_s):
 
     from async_dapo.replay_service import replay_actor_class
     from async_dapo.rollout import rollout_actor_class
-    from async_dapo.weight_sync import TensorMeta, broadcast_tensors, free_port, open_update_group
+    from async_dapo.weight_sync import broadcast_bucket, free_port, open_update_group, plan_buckets
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -64,12 +64,13 @@ def _actor(cfg, repeats, pushes, window_s):
 
         named = list(AutoModelForCausalLM.from_pretrained(cfg.model.path).named_parameters())
         named = [(n, p.detach()) for n, p in named]
-        meta = TensorMeta.of(named)
+        buckets = plan_buckets([(n, p.dtype, tuple(p.shape)) for n, p in named], cfg.weight_sync.bucket_mb << 20)
         push = []
         for v in range(1, pushes + 1):
             t = time.perf_counter()
-            ref = actor.update_weights.remote(meta.names, meta.dtypes, meta.shapes, "bench", v, "inflight")
-            broadcast_tensors(pg, [p for _, p in named])
+            ref = actor.update_weights.remote(buckets, "bench", v, "inflight")
+            for b in buckets:
+                broadcast_bucket(pg, [dict(named)[n] for n in b.names])
             actor_s = ray.get(ref)
             push.append((time.perf_counter() - t, actor_s))
         nbytes = sum(p.numel() * p.element_size() for _, p in named)

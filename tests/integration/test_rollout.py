@@ -12,7 +12,7 @@ import torch
 from async_dapo.bootstrap import encode_prompt
 from async_dapo.config import load_config
 from async_dapo.data import train_rows
-from async_dapo.weight_sync import TensorMeta, broadcast_tensors, free_port, open_update_group
+from async_dapo.weight_sync import broadcast_bucket, free_port, open_update_group, plan_buckets
 from tests.conftest import CPU_CONFIG
 
 pytestmark = pytest.mark.integration
@@ -105,9 +105,13 @@ def _new_weights(model_path, seed):
 def _push(actor, pg, named, version, mode):
     import ray
 
-    meta = TensorMeta.of(named)
-    ref = actor.update_weights.remote(meta.names, meta.dtypes, meta.shapes, GROUP, version, mode)
-    broadcast_tensors(pg, [t for _, t in named])
+    # Small buckets, so a push is several flat broadcasts (the learner's path).
+    buckets = plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in named], bucket_bytes=256 * 1024)
+    assert len(buckets) > 1
+    ref = actor.update_weights.remote(buckets, GROUP, version, mode)
+    by_name = dict(named)
+    for b in buckets:
+        broadcast_bucket(pg, [by_name[n] for n in b.names])
     return ray.get(ref, timeout=300)
 
 
@@ -129,6 +133,10 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
     while ray.get(actor.num_running_requests.remote()) < len(prompts) and time.time() < deadline:
         time.sleep(0.05)
     assert ray.get(actor.num_running_requests.remote()) >= len(prompts)
+    # A one-token probe submitted after them finishes only once the scheduler (FCFS) has prefilled the
+    # long requests, and a prefill emits each request's first token: so every long request has at least
+    # one token from the old weights when the update arrives.
+    ray.get(actor.generate.remote(prompts[:1], {"max_new_tokens": 1}), timeout=120)
     _push(actor, pg, named, version, mode)
     outs = ray.get(running, timeout=600)
 
