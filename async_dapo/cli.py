@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--force", action="store_true", help="rebuild even if cached")
         if name == "train":
             sp.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                            help="continue the run checkpointed in RUN_DIR")
+                            help="continue the run in RUN_DIR from its latest checkpoint "
+                                 "(or from RUN_DIR/checkpoints/step_N)")
     return p
 
 
@@ -68,12 +69,18 @@ def _eval(cfg: Config) -> None:
 
 
 def _train(cfg: Config, resume: Path | None) -> int:
-    run_dir = Path(cfg.logging.run_dir)
-    dump_config(cfg, run_dir / "config.yaml")
-    log.info("resolved config written to %s", run_dir / "config.yaml")
-    # The orchestrator (rollout actors, replay queue, FSDP2 learners) lands with issue 6.
-    log.error("train: the training loop is not implemented yet")
-    return 3
+    from async_dapo.orchestrator import train
+
+    if resume is not None:
+        # A resumed run keeps its own directory (RUN_DIR, or the run owning RUN_DIR/checkpoints/step_N);
+        # the config given on the command line still applies.
+        run_dir = resume.parent.parent if resume.parent.name == "checkpoints" else resume
+        cfg = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"run_dir": run_dir})})
+    if cfg.model.bootstrap is not None:
+        _bootstrap(cfg)
+    result = train(cfg, resume)
+    log.info("done: %s", json.dumps({k: round(v, 4) for k, v in result.items()}))
+    return 0
 
 
 def _setup_logging() -> None:
@@ -100,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: actors and engines were shut down", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -93,6 +93,10 @@ class DataConfig(_Section):
         256, ge=8, le=1_048_576, description="Prompts longer than this (tokens) are rejected at load."
     )
     shuffle_seed: int = Field(0, ge=0, description="Seed of the epoch-wise prompt order.")
+    replay_batches: Path | None = Field(
+        None, description="Debugging/determinism: train on the batches recorded by an earlier run "
+        "(logging.record_batches) from this directory instead of the replay queue.",
+    )
 
 
 # ------------------------------------------------------------------------------------------- rollout
@@ -295,6 +299,9 @@ class LoggingConfig(_Section):
     val_temperature: float = Field(1.0, ge=0, le=10, description="Validation temperature.")
     val_top_p: float = Field(0.7, gt=0, le=1, description="Validation top_p (paper: 0.7).")
     seed: int = Field(0, ge=0, description="Seed of python/numpy/torch in every process.")
+    record_batches: bool = Field(
+        False, description="Write every trained batch to run_dir/batches/step_N.bin (wire format)."
+    )
 
 
 class CheckpointConfig(_Section):

@@ -15,7 +15,7 @@ needed to agree on the split or the global token counts):
 
 Weight push: all ranks gather the full parameters bucket by bucket (FSDP all-gather); rank 0 hands each
 bucket to a sender thread that broadcasts it over the dedicated weight-update group while the engines load
-it, and returns at once. The gathered tensors are fresh copies, so the next optimizer step cannot change
+it, and returns at once. The gathered tensors are explicit copies, so the next optimizer step cannot change
 what is being sent. A bounded hand-off (2 buckets) bounds the extra memory; the next push first waits for
 the previous one; when the engines report the new weights loaded, the sender tells the replay queue the
 new version.
@@ -105,6 +105,10 @@ class LearnerWorker:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         return model
+
+    def ready(self) -> int:
+        """Returns once the rank is constructed (its process group and model are up)."""
+        return self.rank
 
     # ------------------------------------------------------------------ forward
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
@@ -256,7 +260,9 @@ class LearnerWorker:
                                                  daemon=True)
             self._push_thread.start()
         for b in buckets:
-            tensors = [by_name[n].full_tensor().detach().to(dtype) for n in b.names]  # collective gather
+            # Collective gather. copy=True: with one rank (or when the dtype already matches) full_tensor()
+            # and .to() return the live parameter, which the next optimizer step would change mid-send.
+            tensors = [by_name[n].full_tensor().detach().to(dtype, copy=True) for n in b.names]
             if handoff is not None:
                 handoff.put(tensors)
         if handoff is not None:
@@ -343,10 +349,11 @@ class LearnerWorker:
         dist.destroy_process_group()
 
 
-def learner_actor_class(cfg: Config):
+def learner_actor_class(cfg: Config, **options):
+    """``ray.remote`` wrapper with the configured resources (``options``: extra Ray actor options)."""
     import ray
 
     p = cfg.placement
     env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     return ray.remote(LearnerWorker).options(num_cpus=p.learner_cpus, num_gpus=p.learner_gpus,
-                                             runtime_env={"env_vars": env})
+                                             runtime_env={"env_vars": env}, **options)

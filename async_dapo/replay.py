@@ -287,10 +287,13 @@ class ReplayPolicy(Generic[G]):
         self.stats.depth = len(self._queue)
 
     # ------------------------------------------------------------------------------ hand-out
-    def take_batch(self) -> list[G] | None:
-        """Drop queued groups stale at the current version, then return the B oldest, or None
-        (removing nothing more) when fewer than B remain."""
-        version = self.version()
+    def take_batch(self, version: int | None = None) -> list[G] | None:
+        """Drop queued groups stale at ``version`` (default: the current version), then return the B
+        oldest, or None (removing nothing more) when fewer than B remain.
+
+        Pass the LEARNER's version when it runs ahead of the engines' (a push still in flight): the
+        per-sample guarantee is about the weights the batch is trained on."""
+        version = self.version() if version is None else version
         self._drop_stale(version)
         if len(self._queue) < self.batch_groups:
             return None

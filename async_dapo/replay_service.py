@@ -80,7 +80,12 @@ class ReplayService:
 
     # ------------------------------------------------------------------ API (Ray methods)
     async def address(self) -> str:
+        """Where producers connect. A wildcard bind (multi-node) is advertised as this node's IP."""
         self._cond()
+        if self.cfg.transport.bind_host in ("0.0.0.0", "::"):
+            import ray
+
+            return f"tcp://{ray.util.get_node_ip_address()}:{self.receiver.port}"
         return self.receiver.address
 
     async def admit(self, engine_rank: int, max_prompts: int) -> list[tuple[int, int, int]]:
@@ -96,14 +101,16 @@ class ReplayService:
         self.wait_seconds["admit"] += time.perf_counter() - t0
         return tickets
 
-    async def get_batch(self) -> list[Group]:
-        """Block until B fresh, mixed-outcome groups are queued; return them oldest first."""
+    async def get_batch(self, learner_version: int | None = None) -> list[Group]:
+        """Block until B fresh, mixed-outcome groups are queued; return them oldest first. Staleness is
+        judged against ``learner_version`` (the weights the batch will be trained on; default: the
+        engines' version)."""
         t0 = time.perf_counter()
         async with self._cond():
             batch: list[Group] = []
 
             def ready() -> bool:
-                got = self.policy.take_batch()
+                got = self.policy.take_batch(learner_version)
                 if got is not None:
                     batch.extend(got)
                 return got is not None
@@ -142,7 +149,7 @@ class ReplayService:
         self.receiver.close()
 
 
-def replay_actor_class(cfg: Config):
+def replay_actor_class(cfg: Config, **options):
     import ray
 
-    return ray.remote(ReplayService).options(num_cpus=cfg.placement.queue_cpus, max_concurrency=64)
+    return ray.remote(ReplayService).options(num_cpus=cfg.placement.queue_cpus, max_concurrency=64, **options)

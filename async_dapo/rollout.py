@@ -152,6 +152,19 @@ class _Session:
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*[self.sample_once(p, params) for p in prompts]))
 
+    async def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, float]:
+        """avg@k / pass@k / maj@k of ``rows`` under the weights the engine runs now."""
+        from async_dapo.bootstrap import encode_prompt
+        from async_dapo.evaluate import score_groups
+
+        version = self.version
+        prompts = [encode_prompt(self.tokenizer, r) for r in rows]
+        outs = await self.generate([p for p in prompts for _ in range(k)], params)
+        texts = [[self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs[i * k:(i + 1) * k]]
+                 for i in range(len(rows))]
+        avg, pas, maj = score_groups(texts, [r.ground_truth for r in rows])
+        return {"val/avg_at_k": avg, "val/pass_at_k": pas, "val/maj_at_k": maj, "val/version": float(version)}
+
     # ------------------------------------------------------------------ producer
     async def _emit(self, epoch: int, index: int, version: int) -> None:
         group = await self.sample_group(epoch, index, version)
@@ -296,6 +309,10 @@ class RolloutWorker:
         """Plain sampling for validation and tests (not admitted through the queue)."""
         return self._call(self.session.generate(prompts, params))
 
+    def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, float]:
+        """Held-out avg@k / pass@k / maj@k with the validation sampling parameters."""
+        return self._call(self.session.validate(rows, k, params))
+
     def sample_groups_now(self, indices: list[int]) -> list[Group]:
         """Sample and score groups for the given prompt indices, bypassing the queue (tests, tools)."""
         return self._call(self.session.sample_groups(indices))
@@ -309,6 +326,11 @@ class RolloutWorker:
         return {**s.__dict__, "version": self.session.version, "inflight": len(self.session.inflight),
                 "wall_seconds": time.time() - s.started_at}
 
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
     def shutdown(self) -> None:
         if self._producer is not None:
             self._producer.cancel()
@@ -321,8 +343,9 @@ class RolloutWorker:
         self.engine.shutdown()
 
 
-def rollout_actor_class(cfg: Config):
-    """``ray.remote`` wrapper with the resources and environment the config asks for."""
+def rollout_actor_class(cfg: Config, **options):
+    """``ray.remote`` wrapper with the resources and environment the config asks for (``options``: extra
+    Ray actor options, e.g. a scheduling strategy)."""
     import ray
 
     from async_dapo.device import sglang_process_env
@@ -332,5 +355,5 @@ def rollout_actor_class(cfg: Config):
            **sglang_process_env(resolve_device(cfg.rollout.engine.device))}
     return ray.remote(RolloutWorker).options(
         num_cpus=p.engine_cpus, num_gpus=p.engine_gpus, max_concurrency=8,
-        runtime_env={"env_vars": env},
+        runtime_env={"env_vars": env}, **options,
     )

@@ -84,3 +84,22 @@ def test_cli_exits_nonzero_naming_the_key():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: no.such.key: unknown key")
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu.yaml", "dapo_qwen2.5_32b_16x8.yaml", "qwen2.5_7b_1x8.yaml"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(CPU_CONFIG.parent / name)
+    gpus = (cfg.placement.num_engines * cfg.placement.engine_gpus
+            + cfg.placement.learner_ranks * cfg.placement.learner_gpus)
+    if name.startswith("dapo_qwen2.5_32b"):
+        # The paper's recipe, numbers from anchors.md section 1.
+        a, lc, r = cfg.algorithm, cfg.learner, cfg.rollout
+        assert (a.train_batch_groups, r.n, lc.mini_batch_groups) == (512, 16, 32)
+        assert (a.clip_low, a.clip_high, lc.lr, lc.weight_decay, lc.grad_clip) == (0.2, 0.28, 1e-6, 0.1, 1.0)
+        assert (cfg.data.max_prompt_length, r.max_response_length, cfg.reward.overlong_buffer_length) == \
+            (2048, 20480, 4096)
+        assert cfg.logging.val_top_p == 0.7 and cfg.logging.val_n == 32 and gpus == 128
+    if name.startswith("qwen2.5_7b"):
+        assert gpus == 8
+    if cfg.placement.engine_gpus:
+        assert cfg.placement.engine_gpus == cfg.rollout.engine.tp_size

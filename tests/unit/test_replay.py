@@ -447,3 +447,16 @@ def test_long_random_interleavings(
     sim = Sim(b, eta, extra, ds)
     for _ in range(steps):
         sim.step(data)
+
+
+def test_take_batch_judges_staleness_at_the_learner_version():
+    # Engines still at version 2 (push in flight), learner already at 3, eta = 1: a group whose
+    # oldest token is version 1 is fresh for the engines (2 - 1 = 1) but stale for the learner (3 - 1 = 2).
+    policy, versions = make(b=1, eta=1, capacity=4, ds=False)
+    versions.version = 2
+    assert policy.admit(2)
+    old, new = grp(1), grp(2)
+    assert arrive(policy, old, new) == ["accepted", "accepted"]
+    batch = policy.take_batch(version=3)
+    assert batch == [new]
+    assert policy.stats.dropped_stale_at_handout == 1

@@ -1,0 +1,105 @@
+"""Step metrics: what a DAPO step measured, under the TensorBoard tags documented in docs/metrics.md, plus
+the one readable progress line per step.
+
+The orchestrator gathers raw numbers (batch, learner, queue, rollout stats); :func:`step_metrics` turns
+them into tags; :class:`MetricsWriter` writes them to ``run_dir/tb`` and appends them to
+``run_dir/metrics.jsonl`` (the same numbers, for scripts).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from async_dapo.wire import Group
+
+# learner key -> tag
+_LEARNER_TAGS = {
+    "entropy": "actor/entropy", "token_prob": "actor/token_prob_mean",
+    "pg_clipfrac_upper": "actor/pg_clipfrac_upper", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
+    "ppo_kl": "actor/ppo_kl", "grad_norm": "actor/grad_norm", "is_weight": "actor/is_weight_mean",
+    "is_weight_max": "actor/is_weight_max", "rollout_logprob_abs_diff": "actor/rollout_logprob_abs_diff",
+    "loss": "actor/pg_loss", "lr": "actor/lr", "skipped_updates": "actor/skipped_updates",
+}
+# replay-queue key -> tag
+_QUEUE_TAGS = {
+    "depth": "queue/depth", "dropped_all_correct": "queue/dropped_all_correct",
+    "dropped_all_wrong": "queue/dropped_all_wrong", "rejected_malformed": "queue/rejected_malformed",
+    "rejected_oversized": "queue/rejected_oversized", "rejected_schema": "queue/rejected_schema",
+    "accepted": "queue/accepted", "received": "queue/received", "running": "queue/running",
+}
+
+
+def batch_metrics(groups: list[Group], trained_version: int) -> dict[str, float]:
+    """Reward, length and staleness statistics of the groups a step trains on. Staleness of a group =
+    the version of the weights it is trained on − its oldest token's version (what η bounds)."""
+    samples = [s for g in groups for s in g.samples]
+    lengths = [s.num_tokens for s in samples]
+    stale = [trained_version - g.min_version for g in groups]
+    return {
+        "reward/mean": statistics.fmean(s.reward for s in samples),
+        "reward/acc_mean": statistics.fmean(float(s.acc) for s in samples),
+        "response/length_mean": statistics.fmean(lengths),
+        "response/length_max": float(max(lengths)),
+        "response/clip_ratio": statistics.fmean(float(s.truncated) for s in samples),
+        "staleness/mean": statistics.fmean(stale),
+        "staleness/max": float(max(stale)),
+        "staleness/partial_rollout_frac": statistics.fmean(
+            float(s.versions.size > 0 and s.versions.min() != s.versions.max()) for s in samples),
+    }
+
+
+def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,
+                 timing: dict[str, float]) -> dict[str, float]:
+    """All tags of one step. ``timing`` holds step_s, wait_data_s, weight_push_s, gen_tokens_per_s,
+    rollout_idle_ratio (measured by the orchestrator)."""
+    out = batch_metrics(groups, trained_version)
+    out.update({tag: float(learner[k]) for k, tag in _LEARNER_TAGS.items() if k in learner})
+    out.update({tag: float(queue[k]) for k, tag in _QUEUE_TAGS.items() if k in queue})
+    out["queue/dropped_stale"] = float(queue.get("dropped_stale", 0) + queue.get("dropped_stale_at_handout", 0))
+    step_s = max(timing["step_s"], 1e-9)
+    out.update({
+        "perf/step_s": step_s, "perf/wait_data_s": timing["wait_data_s"],
+        "perf/weight_push_s": timing["weight_push_s"], "perf/gen_tokens_per_s": timing["gen_tokens_per_s"],
+        "perf/train_tokens_per_s": learner["train_tokens"] / max(learner["train_s"], 1e-9),
+        "perf/learner_idle_ratio": min(1.0, timing["wait_data_s"] / step_s),
+        "perf/rollout_idle_ratio": timing["rollout_idle_ratio"],
+        "train/version": float(learner["version"]),
+    })
+    return out
+
+
+def progress_line(step: int, total: int, m: dict[str, float], eta_s: float) -> str:
+    """One readable line per step."""
+    return (f"step {step}/{total} v{int(m['train/version'])} reward {m['reward/mean']:+.3f} "
+            f"acc {m['reward/acc_mean']:.3f} stale {m['staleness/mean']:.2f}/{int(m['staleness/max'])} "
+            f"gen {m['perf/gen_tokens_per_s']:.0f} tok/s train {m['perf/train_tokens_per_s']:.0f} tok/s "
+            f"step {m['perf/step_s']:.1f}s wait {m['perf/wait_data_s']:.1f}s ETA {eta_s / 60:.1f} min")
+
+
+class MetricsWriter:
+    """TensorBoard events in ``run_dir/tb`` and one JSON object per step in ``run_dir/metrics.jsonl``."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (run_dir / "metrics.jsonl").open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tb"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._tb is not None:
+            for tag, value in metrics.items():
+                self._tb.add_scalar(tag, value, step)
+            self._tb.flush()
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        self._jsonl.close()
