@@ -54,7 +54,6 @@ class Run:
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
-        signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             self._start()
         except BaseException:
@@ -80,6 +79,8 @@ class Run:
         if not ray.is_initialized():
             ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
             self._started_ray = True
+        # After ray.init, which installs a SIGTERM handler of its own that skips our cleanup.
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         if self.resume is not None:
             self.ckpt = _checkpoint_to_resume(self.resume)
             meta = json.loads((self.ckpt / "meta.json").read_text())

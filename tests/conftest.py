@@ -25,4 +25,4 @@ def cpu_config():
 def tiny_model(cpu_config) -> Path:
     from async_dapo.bootstrap import bootstrap
 
-    return Path(bootstrap(cpu_config).path)
+    return Path(bootstrap(cpu_config).path).resolve()

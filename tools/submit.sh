@@ -17,5 +17,10 @@ while [ $# -gt 0 ]; do
     *) echo "usage: tools/submit.sh [--address URL] [--no-wait] -- <async-dapo train arguments>" >&2; exit 2 ;;
   esac
 done
+# Ray 2.60's `ray start --head` enables token authentication and keeps the token in ~/.ray/auth_token,
+# while the job client only reads it in token mode.
+if [ -z "${RAY_AUTH_MODE:-}" ] && [ -f "${HOME}/.ray/auth_token" ]; then
+  export RAY_AUTH_MODE=token
+fi
 cd "$(dirname "$0")/.."
 exec ray job submit --address "$address" --working-dir . "${wait_flag[@]}" -- async-dapo train "$@"

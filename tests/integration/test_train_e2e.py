@@ -89,6 +89,9 @@ def test_kill_after_checkpoint_then_resume_gives_same_next_step_loss(tiny_model,
 
 
 def test_ray_job_submit_to_local_head_succeeds(tiny_model, tmp_path):
+    import re
+    import tempfile
+
     from async_dapo.weight_sync import free_port
 
     venv_bin = str(Path(sys.executable).parent)
@@ -98,7 +101,7 @@ def test_ray_job_submit_to_local_head_succeeds(tiny_model, tmp_path):
     ray_bin = str(Path(venv_bin) / "ray")
     head = [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard", "true",
-            "--num-cpus", "2", "--temp-dir", str(tmp_path / "ray")]
+            "--num-cpus", "2", "--temp-dir", tempfile.mkdtemp(prefix="rj", dir="/tmp")]  # short: socket paths
     subprocess.run(head, check=True, env=env, timeout=300, capture_output=True)
     try:
         job = subprocess.run(
@@ -108,7 +111,13 @@ def test_ray_job_submit_to_local_head_succeeds(tiny_model, tmp_path):
              "--set", "logging.val_every_steps=0", "--set", "checkpoint.export_hf=false"],
             env=env, timeout=900, capture_output=True, text=True)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-        assert "SUCCEEDED" in job.stdout + job.stderr
+        job_id = re.search(r"raysubmit_\w+", job.stdout + job.stderr).group(0)
+        # A fresh interpreter: Ray reads RAY_AUTH_MODE at import (the head enables token auth, see submit.sh).
+        probe = ("import sys; from ray.job_submission import JobSubmissionClient as C; "
+                 "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)")
+        status = subprocess.run([sys.executable, "-c", probe, f"http://127.0.0.1:{dash}", job_id],
+                                env={**env, "RAY_AUTH_MODE": "token"}, timeout=120, capture_output=True, text=True)
+        assert status.stdout.strip() == "SUCCEEDED", status.stdout + status.stderr[-2000:]
         steps = _steps(tmp_path / "job_run")
         assert [m["train/version"] for m in steps] == [1.0, 2.0]
     finally:
