@@ -129,8 +129,9 @@ def supervised_warm_start(model, tokenizer, rows: list[PromptRow], tc: TinyModel
     """AdamW with cosine decay over ``tc.sft_steps`` steps, batches drawn cyclically from ``rows``."""
     pad_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=tc.sft_lr, weight_decay=0.0)
+    horizon = tc.sft_schedule_steps or tc.sft_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, tc.sft_steps) / tc.sft_steps))
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, horizon) / horizon))
     )
     model.train()
     bs = tc.sft_batch_size

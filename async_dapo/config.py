@@ -38,6 +38,10 @@ class TinyModelConfig(_Section):
         600, ge=1, le=100_000, description="Warm-start optimizer steps (a step count, not a time "
         "budget, so the result is deterministic given the seed)."
     )
+    sft_schedule_steps: int | None = Field(
+        None, ge=1, description="Horizon of the cosine LR schedule (None = sft_steps). Longer than sft_steps "
+        "stops the warm start mid-schedule: a half-trained policy, where RL has something to improve.",
+    )
     sft_batch_size: int = Field(64, ge=1, le=4096, description="Warm-start batch size (examples).")
     sft_lr: float = Field(3e-3, gt=0, le=1.0, description="Warm-start peak AdamW learning rate (cosine).")
     eval_prompts: int = Field(
