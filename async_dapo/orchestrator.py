@@ -47,7 +47,6 @@ class Run:
         self.run_dir = Path(cfg.logging.run_dir)
         self.step, self.version = 0, 0
         self._started_ray = False
-        self._actors: list = []
         self._last: dict[str, Any] = {"gen_tokens": 0, "idle": 0.0, "t": time.perf_counter()}
         self._t_start = time.perf_counter()
         self._steps_done = 0
@@ -86,7 +85,6 @@ class Run:
             meta = json.loads((self.ckpt / "meta.json").read_text())
             self.step, self.version = int(meta["step"]), int(meta["version"])
         self.placed = place(cfg, initial_version=self.version)
-        self._actors = self.placed.all_actors()
         self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard)
         if self.resume is not None:
             self._restore()
@@ -100,7 +98,8 @@ class Run:
 
         ckpt = self.ckpt
         versions = self.placed.on_learners("load_checkpoint", str(ckpt))
-        assert set(versions) == {self.version}, versions
+        if set(versions) != {self.version}:
+            raise RuntimeError(f"{ckpt}: learner ranks restored versions {versions}, meta.json says {self.version}")
         ray.get(self.placed.replay.load_state_dict.remote(json.loads((ckpt / "replay.json").read_text())))
         self.push_weights()  # engines restart from model.path: give them the restored weights first
         self.placed.wait_push()

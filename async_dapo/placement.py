@@ -51,9 +51,6 @@ class Placed:
     engines: list = field(default_factory=list)
     learners: list = field(default_factory=list)
 
-    def all_actors(self) -> list:
-        return [self.replay, *self.engines, *self.learners]
-
     def on_learners(self, method: str, *args) -> list:
         import ray
 
