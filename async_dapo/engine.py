@@ -25,7 +25,6 @@ class Sample:
     output_ids: list[int]
     logprobs: list[float]  # behaviour logprob of each output token (temperature-scaled)
     truncated: bool  # stopped by the length limit, not by EOS
-    weight_versions: Any = None  # SGLang's per-request weight version spans, when reported
 
 
 def engine_kwargs(ec: EngineConfig, model_path: str | Path) -> dict[str, Any]:
@@ -68,7 +67,6 @@ def parse_output(out: dict[str, Any]) -> Sample:
         output_ids=list(out["output_ids"]),
         logprobs=[float(x) for x in logprobs],
         truncated=finish.get("type") == "length",
-        weight_versions=meta.get("weight_versions"),
     )
 
 

@@ -146,9 +146,6 @@ class _Session:
             created_at=time.time(), admitted_version=admitted_version,
         )
 
-    async def sample_groups(self, indices: list[int]) -> list[Group]:
-        return list(await asyncio.gather(*[self.sample_group(0, i, self.version) for i in indices]))
-
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*[self.sample_once(p, params) for p in prompts]))
 
@@ -313,10 +310,6 @@ class RolloutWorker:
         """Held-out avg@k / pass@k / maj@k with the validation sampling parameters."""
         return self._call(self.session.validate(rows, k, params))
 
-    def sample_groups_now(self, indices: list[int]) -> list[Group]:
-        """Sample and score groups for the given prompt indices, bypassing the queue (tests, tools)."""
-        return self._call(self.session.sample_groups(indices))
-
     def num_running_requests(self) -> int:
         """Requests the engine is working on right now (tests use it to update mid-generation)."""
         return len(self.session.tm.rid_to_state)
@@ -325,11 +318,6 @@ class RolloutWorker:
         s = self.session.stats
         return {**s.__dict__, "version": self.session.version, "inflight": len(self.session.inflight),
                 "wall_seconds": time.time() - s.started_at}
-
-    def node_ip(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
 
     def shutdown(self) -> None:
         if self._producer is not None:

@@ -73,15 +73,19 @@ def stop(ray, ranks):
         ray.kill(r)
 
 
+def gradients(ray, cfg, world: int, groups) -> list[dict]:
+    """Each rank's full gradient of the first mini-batch, from freshly started learners."""
+    ranks = start_learners(ray, cfg, world)
+    grads = on_all(ray, ranks, "gradients", groups)
+    stop(ray, ranks)
+    return grads
+
+
 def test_two_ranks_match_single_rank_full_batch_gradient(ray_cluster, cfg):
     ray = ray_cluster
     groups = make_groups(4, 4, seed=1)
-    one = start_learners(ray, cfg, 1)
-    g1 = on_all(ray, one, "gradients", groups)[0]
-    stop(ray, one)
-    two = start_learners(ray, cfg, 2)
-    g2a, g2b = on_all(ray, two, "gradients", groups)
-    stop(ray, two)
+    (g1,) = gradients(ray, cfg, 1, groups)
+    g2a, g2b = gradients(ray, cfg, 2, groups)
     assert g1.keys() == g2a.keys()
     worst = max((g1[k] - g2a[k]).abs().max().item() for k in g1)
     scale = max(g1[k].abs().max().item() for k in g1)
@@ -94,13 +98,9 @@ def test_two_ranks_match_single_rank_full_batch_gradient(ray_cluster, cfg):
 def test_activation_checkpointing_gives_the_same_gradient(ray_cluster, cfg):
     ray = ray_cluster
     groups = make_groups(4, 4, seed=1)
-    plain = start_learners(ray, cfg, 1)
-    g_plain = on_all(ray, plain, "gradients", groups)[0]
-    stop(ray, plain)
+    (g_plain,) = gradients(ray, cfg, 1, groups)
     ckpt_cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"activation_checkpointing": True})})
-    recompute = start_learners(ray, ckpt_cfg, 1)
-    g_ckpt = on_all(ray, recompute, "gradients", groups)[0]
-    stop(ray, recompute)
+    (g_ckpt,) = gradients(ray, ckpt_cfg, 1, groups)
     assert g_plain.keys() == g_ckpt.keys()  # same names: the mapping to SGLang names is unaffected
     assert max((g_plain[k] - g_ckpt[k]).abs().max().item() for k in g_plain) <= 1e-6
 
