@@ -1,9 +1,9 @@
 """Build the tiny CPU policy with no model hub: tokenizer, Qwen2 model, supervised warm start.
 
 RL from a 0%-accuracy policy learns nothing (every group is all-wrong and dynamic sampling drops it), so
-the bootstrap trains a character-level tokenizer on the synthetic task, builds a small Qwen2-architecture
-model (loadable by transformers and SGLang), and warm-starts it with a short supervised run until it has
-partial accuracy. The result is cached: a second call with the same settings returns at once.
+the bootstrap trains a small Qwen2-shaped byte-level BPE tokenizer on the synthetic task, builds a small
+Qwen2-architecture model (loadable by transformers and SGLang), and warm-starts it with a short supervised
+run until it has partial accuracy. The result is cached: a second call with the same settings returns at once.
 Deterministic given the seed (fixed step count, one intra-op thread).
 """
 
@@ -16,6 +16,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -125,8 +126,13 @@ def _sft_batch(tokenizer, rows: list[PromptRow], pad_id: int) -> tuple[torch.Ten
     return ids, lab
 
 
-def supervised_warm_start(model, tokenizer, rows: list[PromptRow], tc: TinyModelConfig) -> None:
-    """AdamW with cosine decay over ``tc.sft_steps`` steps, batches drawn cyclically from ``rows``."""
+def supervised_warm_start(
+    model, tokenizer, rows: list[PromptRow], tc: TinyModelConfig, steps: int | None = None,
+    after_step: Callable[[int], None] | None = None,
+) -> None:
+    """AdamW with cosine decay over ``tc.sft_schedule_steps`` (default ``tc.sft_steps``), batches drawn
+    cyclically from ``rows``; runs ``steps`` steps (default ``tc.sft_steps``). ``after_step(step)`` is
+    called after each step (tools/sft_baseline.py continues the warm start past ``tc.sft_steps`` with it)."""
     pad_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=tc.sft_lr, weight_decay=0.0)
     horizon = tc.sft_schedule_steps or tc.sft_steps
@@ -135,7 +141,7 @@ def supervised_warm_start(model, tokenizer, rows: list[PromptRow], tc: TinyModel
     )
     model.train()
     bs = tc.sft_batch_size
-    for step in range(tc.sft_steps):
+    for step in range(tc.sft_steps if steps is None else steps):
         start = (step * bs) % len(rows)
         ids, lab = _sft_batch(tokenizer, (rows + rows)[start : start + bs], pad_id)
         loss = model(input_ids=ids, attention_mask=(ids != pad_id).long(), labels=lab).loss
@@ -146,6 +152,8 @@ def supervised_warm_start(model, tokenizer, rows: list[PromptRow], tc: TinyModel
         sched.step()
         if step % 100 == 0:
             log.info("sft step %d/%d loss %.4f", step, tc.sft_steps, loss.item())
+        if after_step is not None:
+            after_step(step + 1)
     model.eval()
 
 
@@ -169,6 +177,19 @@ def greedy_accuracy(model, tokenizer, rows: list[PromptRow], max_new_tokens: int
         texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
         out += [dapo_math_score(t, r.ground_truth).acc for r, t in zip(chunk, texts)]
     return out
+
+
+def untrained(cfg: Config) -> tuple[Any, Any, list[PromptRow]]:
+    """(tokenizer, freshly initialised model, warm-start rows) of ``cfg.model.bootstrap``: the state the
+    warm start begins from, the same in every call."""
+    tc, task = cfg.model.bootstrap, cfg.data.synthetic
+    assert tc is not None
+    train = synthetic_rows("train", 20000, levels=task.levels, heldout_fraction=task.heldout_fraction,
+                           seed=tc.seed)
+    corpus = [f"user\n{r.prompt[0].content}\nassistant\n{synthetic_response(r)}" for r in train[:2000]]
+    tokenizer = build_tokenizer(corpus)
+    model = build_model(tc, tokenizer, max_positions=cfg.rollout.engine.context_length or 2048)
+    return tokenizer, model, train
 
 
 def _fingerprint(cfg: Config) -> str:
@@ -196,13 +217,9 @@ def bootstrap(cfg: Config, force: bool = False) -> BootstrapReport:
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # one thread per busy process: 2 threads on 2 cores ran 10-30x slower
     task = cfg.data.synthetic
-    train = synthetic_rows("train", 20000, levels=task.levels, heldout_fraction=task.heldout_fraction,
-                           seed=tc.seed)
+    tokenizer, model, train = untrained(cfg)
     val = synthetic_rows("val", tc.eval_prompts, levels=task.levels,
                          heldout_fraction=task.heldout_fraction, seed=tc.seed)
-    corpus = [f"user\n{r.prompt[0].content}\nassistant\n{synthetic_response(r)}" for r in train[:2000]]
-    tokenizer = build_tokenizer(corpus)
-    model = build_model(tc, tokenizer, max_positions=cfg.rollout.engine.context_length or 2048)
     supervised_warm_start(model, tokenizer, train, tc)
     val_ok = greedy_accuracy(model, tokenizer, val, max_new_tokens=8)
     train_ok = greedy_accuracy(model, tokenizer, train[-tc.eval_prompts:], max_new_tokens=8)

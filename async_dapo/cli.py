@@ -52,6 +52,7 @@ def _eval(cfg: Config) -> None:
     from async_dapo.device import pin_threads
     from async_dapo.engine import start_engine
     from async_dapo.evaluate import validate
+    from async_dapo.metrics import val_subsets_line
 
     if cfg.model.bootstrap is not None:
         _bootstrap(cfg)
@@ -61,10 +62,11 @@ def _eval(cfg: Config) -> None:
         res = validate(engine, AutoTokenizer.from_pretrained(cfg.model.path), cfg)
     finally:
         engine.shutdown()
+    m = res.metrics
     log.info(
-        "val avg@%d %.3f  pass@%d %.3f  maj@%d %.3f  (%d prompts, %d tokens, %.0f tok/s)",
-        res.k, res.avg_at_k, res.k, res.pass_at_k, res.k, res.maj_at_k, res.prompts,
-        res.gen_tokens, res.gen_tokens / res.seconds,
+        "val avg@%d %.3f  pass@%d %.3f  maj@%d %.3f  (%d prompts, %d tokens, %.0f tok/s)  %s",
+        res.k, m["val/avg_at_k"], res.k, m["val/pass_at_k"], res.k, m["val/maj_at_k"], res.prompts,
+        res.gen_tokens, res.gen_tokens / res.seconds, val_subsets_line(m),
     )
 
 

@@ -66,7 +66,7 @@ class ModelConfig(_Section):
 
 # ---------------------------------------------------------------------------------------------- data
 class SyntheticTaskConfig(_Section):
-    """Integer arithmetic with difficulty levels (see async_dapo.tasks.synthetic)."""
+    """Integer arithmetic with difficulty levels (see async_dapo.data.LEVELS)."""
 
     levels: list[int] = Field(
         [1, 2, 3, 4], min_length=1, description="Difficulty levels to mix uniformly (1..4)."

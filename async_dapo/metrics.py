@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +97,17 @@ class MetricsWriter:
             for tag, value in metrics.items():
                 self._tb.add_scalar(tag, value, step)
             self._tb.flush()
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        # Unix time too, so scripts can draw curves against wall time (TensorBoard keeps its own).
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self._jsonl.flush()
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         self._jsonl.close()
+
+
+def val_subsets_line(metrics: dict[str, float]) -> str:
+    """'L1 0.612 L2 0.071 ...': the per-subset avg@k of a validation, for its log line."""
+    prefix = "val/avg_at_k/"
+    return " ".join(f"{k[len(prefix):]} {v:.3f}" for k, v in metrics.items() if k.startswith(prefix))

@@ -17,7 +17,7 @@ from typing import Any
 
 from async_dapo.config import Config, dump_config
 from async_dapo.data import val_rows
-from async_dapo.metrics import MetricsWriter, progress_line, step_metrics
+from async_dapo.metrics import MetricsWriter, progress_line, step_metrics, val_subsets_line
 
 log = logging.getLogger("async_dapo")
 
@@ -74,6 +74,8 @@ class Run:
         from async_dapo.placement import place
 
         cfg = self.cfg
+        if self.resume is None and (moved := archive_previous_run(self.run_dir)) is not None:
+            log.info("run_dir %s held an earlier run: moved it to %s", self.run_dir, moved)
         dump_config(cfg, self.run_dir / "config.yaml")
         if not ray.is_initialized():
             ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
@@ -170,8 +172,9 @@ class Run:
                   "max_new_tokens": self.cfg.rollout.max_response_length}
         res = ray.get(self.placed.engines[0].validate.remote(val_rows(self.cfg), lg.val_n, params))
         self.metrics.write(step, res)
-        log.info("val step %d (engine v%d): avg@%d %.3f pass@%d %.3f maj@%d %.3f", step, int(res["val/version"]),
-                 lg.val_n, res["val/avg_at_k"], lg.val_n, res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"])
+        log.info("val step %d (engine v%d): avg@%d %.3f pass@%d %.3f maj@%d %.3f  %s", step, int(res["val/version"]),
+                 lg.val_n, res["val/avg_at_k"], lg.val_n, res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"],
+                 val_subsets_line(res))
         self.last_val = res
 
     def checkpoint(self, step: int) -> None:
@@ -192,6 +195,19 @@ class Run:
         if self.cfg.checkpoint.export_hf:
             self.placed.on_learners("export_hf", str(self.run_dir / "hf"))
         return {**getattr(self, "last_metrics", {}), **getattr(self, "last_val", {})}
+
+
+def archive_previous_run(run_dir: Path) -> Path | None:
+    """A fresh (not resumed) run must not append to an earlier run's metrics or mix checkpoints with it,
+    and must not delete it either: the earlier run is renamed to ``<run_dir>.<n>`` (first free n).
+    Returns the new name, or None when ``run_dir`` holds no run."""
+    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        return None
+    n = 1
+    while (moved := run_dir.with_name(f"{run_dir.name}.{n}")).exists():
+        n += 1
+    run_dir.rename(moved)
+    return moved
 
 
 def _checkpoint_to_resume(path: Path) -> Path:

@@ -152,15 +152,14 @@ class _Session:
     async def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, float]:
         """avg@k / pass@k / maj@k of ``rows`` under the weights the engine runs now."""
         from async_dapo.bootstrap import encode_prompt
-        from async_dapo.evaluate import score_groups
+        from async_dapo.evaluate import val_metrics
 
         version = self.version
         prompts = [encode_prompt(self.tokenizer, r) for r in rows]
         outs = await self.generate([p for p in prompts for _ in range(k)], params)
         texts = [[self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs[i * k:(i + 1) * k]]
                  for i in range(len(rows))]
-        avg, pas, maj = score_groups(texts, [r.ground_truth for r in rows])
-        return {"val/avg_at_k": avg, "val/pass_at_k": pas, "val/maj_at_k": maj, "val/version": float(version)}
+        return {**val_metrics(texts, rows), "val/version": float(version)}
 
     # ------------------------------------------------------------------ producer
     async def _emit(self, epoch: int, index: int, version: int) -> None:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 
 def make_groups(n_groups: int, g: int, seed: int, *, version: int = 0) -> list[Group]:
-    """Groups with varied prompt/response lengths, mixed accuracies and plausible behaviour logprobs."""
+    """Groups with varied prompt/response lengths, mixed accuracies and random response tokens."""
     rng = np.random.default_rng(seed)
     groups = []
     for i in range(n_groups):
@@ -27,7 +27,10 @@ def make_groups(n_groups: int, g: int, seed: int, *, version: int = 0) -> list[G
             acc = bool(j % 2) if i % 3 else j == 0
             samples.append(Sample(
                 response_ids=rng.integers(3, 200, size=length).astype(np.int32),
-                logprobs=(-rng.random(length) * 3).astype(np.float32),
+                # Random tokens score ~-15 under the tiny model; behaviour logprobs well below that make
+                # every importance weight hit its cap (2), so the gradient cannot vanish whatever the
+                # warm start (plausible values near -1 gave weights ~e^-13 and a zero gradient).
+                logprobs=(-25.0 - rng.random(length) * 3).astype(np.float32),
                 versions=np.full(length, version, np.int32), reward=1.0 if acc else -1.0,
                 score=1.0 if acc else -1.0, acc=acc, truncated=length == 11, finish_reason="stop",
                 gen_seconds=0.1))

@@ -29,8 +29,13 @@ ETA = 1
 def _train_cmd(run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "async_dapo.cli", "train", "--config", str(CPU_CONFIG),
             "--set", f"logging.run_dir={run_dir}", "--set", f"replay.max_staleness={ETA}",
-            "--set", "logging.val_prompts=16", "--set", "logging.val_n=2", "--set", "checkpoint.export_hf=false",
-            *extra]
+            *SMALL, *extra]
+
+
+# The default's 64-group batches make a step ~2.5 s here; the system tests only need a few small steps.
+SMALL = ["--set", "logging.val_prompts=16", "--set", "logging.val_n=2", "--set", "checkpoint.export_hf=false",
+         "--set", "algorithm.train_batch_groups=16", "--set", "learner.mini_batch_groups=16",
+         "--set", "rollout.max_inflight_prompts=32"]
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -108,7 +113,7 @@ def test_ray_job_submit_to_local_head_succeeds(tiny_model, tmp_path):
             [str(REPO / "tools" / "submit.sh"), "--address", f"http://127.0.0.1:{dash}", "--",
              "--config", str(CPU_CONFIG), "--set", f"model.path={tiny_model}", "--set", "model.bootstrap=null",
              "--set", f"logging.run_dir={tmp_path / 'job_run'}", "--set", "learner.total_steps=2",
-             "--set", "logging.val_every_steps=0", "--set", "checkpoint.export_hf=false"],
+             "--set", "logging.val_every_steps=0", *SMALL],
             env=env, timeout=900, capture_output=True, text=True)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
         job_id = re.search(r"raysubmit_\w+", job.stdout + job.stderr).group(0)

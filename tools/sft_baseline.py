@@ -1,0 +1,84 @@
+"""Continued-SFT baseline to put beside an RL run: what the supervised warm start reaches if it simply
+keeps going, on the same held-out prompts and with the same validation sampling.
+
+    python tools/sft_baseline.py --config configs/tiny_cpu.yaml [--set a.b=c ...] [--extra 600 --every 100]
+
+Rebuilds the warm start of ``model.bootstrap`` in this process (deterministic: the same weights as the
+cached model), then continues the same run, same data order and the same cosine schedule
+(``sft_schedule_steps``), for ``--extra`` more steps. At the warm start and every ``--every`` steps
+it samples ``logging.val_n`` completions per held-out prompt with transformers at ``logging.val_temperature``
+/ ``logging.val_top_p`` (what an RL run's ``val/avg_at_k`` uses) and prints a Markdown row: extra steps,
+SFT seconds since the warm start (evaluation excluded), avg@k, and avg@k per level.
+One process, one thread. SFT sees the reference answers; RL sees only the reward.
+"""
+
+import argparse
+import time
+
+import torch
+
+
+def avg_at_k(model, tokenizer, rows, cfg, seed: int) -> tuple[float, dict[str, float]]:
+    from async_dapo.bootstrap import EOS, encode_prompt
+    from async_dapo.evaluate import val_metrics
+
+    lg, k = cfg.logging, cfg.logging.val_n
+    pad, eos = tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids(EOS)
+    torch.manual_seed(seed)
+    model.eval()
+    texts = []
+    for start in range(0, len(rows), 100):
+        chunk = rows[start:start + 100]
+        prompts = [encode_prompt(tokenizer, r) for r in chunk]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts]).repeat_interleave(k, 0)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=(ids != pad).long(), do_sample=True, top_k=0,
+                                 top_p=lg.val_top_p, temperature=lg.val_temperature, eos_token_id=eos,
+                                 pad_token_id=pad, max_new_tokens=cfg.rollout.max_response_length)
+        flat = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        texts += [flat[i * k:(i + 1) * k] for i in range(len(chunk))]
+    model.train()
+    m = val_metrics(texts, rows)
+    return m["val/avg_at_k"], {key.rsplit("/", 1)[1]: v for key, v in m.items() if key.startswith("val/avg_at_k/")}
+
+
+def main() -> None:
+    from async_dapo.bootstrap import supervised_warm_start, untrained
+    from async_dapo.config import load_config
+    from async_dapo.data import val_rows
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--extra", type=int, default=600, help="SFT steps past the warm start")
+    ap.add_argument("--every", type=int, default=100, help="evaluate every this many extra steps")
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.overrides)
+    tc = cfg.model.bootstrap
+    if tc is None:
+        ap.error("model.bootstrap is null: this baseline continues the tiny model's supervised warm start")
+    torch.set_num_threads(1)
+    tokenizer, model, train = untrained(cfg)
+    rows = val_rows(cfg)
+    clock = {"sft_s": 0.0, "t": None}
+
+    def after_step(step: int) -> None:
+        now = time.perf_counter()
+        if clock["t"] is not None:
+            clock["sft_s"] += now - clock["t"]
+        extra = step - tc.sft_steps
+        if extra >= 0 and extra % args.every == 0:
+            avg, per = avg_at_k(model, tokenizer, rows, cfg, seed=extra)
+            if extra == 0:
+                head = ["extra SFT steps", "SFT s", f"avg@{cfg.logging.val_n}", *sorted(per)]
+                print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
+            cells = [str(extra), f"{clock['sft_s']:.0f}", f"{avg:.3f}", *(f"{per[k]:.3f}" for k in sorted(per))]
+            print("| " + " | ".join(cells) + " |", flush=True)
+        clock["t"] = time.perf_counter() if extra >= 0 else None
+
+    supervised_warm_start(model, tokenizer, train, tc, steps=tc.sft_steps + args.extra, after_step=after_step)
+
+
+if __name__ == "__main__":
+    main()
