@@ -158,25 +158,33 @@ def supervised_warm_start(
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, rows: list[PromptRow], max_new_tokens: int) -> list[bool]:
-    """Per-row correctness of a greedy completion, scored by the DAPO math reward."""
-    from async_dapo.reward import dapo_math_score
-
+def complete(model, tokenizer, rows: list[PromptRow], max_new_tokens: int, n: int = 1,
+             **sampling: Any) -> list[list[str]]:
+    """``n`` transformers completions per row, decoded; greedy unless ``sampling`` says otherwise (e.g.
+    ``do_sample=True, top_p=0.7, temperature=1.0``). Prompts go in left-padded batches of 128."""
     pad_id = tokenizer.pad_token_id
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    out: list[bool] = []
+    out: list[list[str]] = []
     for start in range(0, len(rows), 128):
         chunk = rows[start : start + 128]
         prompts = [encode_prompt(tokenizer, r) for r in chunk]
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts]).repeat_interleave(n, 0)
         gen = model.generate(
             input_ids=ids, attention_mask=(ids != pad_id).long(), max_new_tokens=max_new_tokens,
-            do_sample=False, top_k=0, eos_token_id=eos_id, pad_token_id=pad_id,
+            **{"do_sample": False, **sampling}, top_k=0, eos_token_id=eos_id, pad_token_id=pad_id,
         )
         texts = tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
-        out += [dapo_math_score(t, r.ground_truth).acc for r, t in zip(chunk, texts)]
+        out += [texts[i * n : (i + 1) * n] for i in range(len(chunk))]
     return out
+
+
+def greedy_accuracy(model, tokenizer, rows: list[PromptRow], max_new_tokens: int) -> list[bool]:
+    """Per-row correctness of a greedy completion, scored by the DAPO math reward."""
+    from async_dapo.reward import dapo_math_score
+
+    texts = complete(model, tokenizer, rows, max_new_tokens)
+    return [dapo_math_score(t, r.ground_truth).acc for r, (t,) in zip(rows, texts)]
 
 
 def untrained(cfg: Config) -> tuple[Any, Any, list[PromptRow]]:

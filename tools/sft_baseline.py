@@ -19,25 +19,14 @@ import torch
 
 
 def avg_at_k(model, tokenizer, rows, cfg, seed: int) -> tuple[float, dict[str, float]]:
-    from async_dapo.bootstrap import EOS, encode_prompt
+    from async_dapo.bootstrap import complete
     from async_dapo.evaluate import val_metrics
 
-    lg, k = cfg.logging, cfg.logging.val_n
-    pad, eos = tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids(EOS)
+    lg = cfg.logging
     torch.manual_seed(seed)
     model.eval()
-    texts = []
-    for start in range(0, len(rows), 100):
-        chunk = rows[start:start + 100]
-        prompts = [encode_prompt(tokenizer, r) for r in chunk]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts]).repeat_interleave(k, 0)
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=(ids != pad).long(), do_sample=True, top_k=0,
-                                 top_p=lg.val_top_p, temperature=lg.val_temperature, eos_token_id=eos,
-                                 pad_token_id=pad, max_new_tokens=cfg.rollout.max_response_length)
-        flat = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        texts += [flat[i * k:(i + 1) * k] for i in range(len(chunk))]
+    texts = complete(model, tokenizer, rows, cfg.rollout.max_response_length, n=lg.val_n, do_sample=True,
+                     top_p=lg.val_top_p, temperature=lg.val_temperature)
     model.train()
     m = val_metrics(texts, rows)
     return m["val/avg_at_k"], {key.rsplit("/", 1)[1]: v for key, v in m.items() if key.startswith("val/avg_at_k/")}
