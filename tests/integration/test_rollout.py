@@ -16,7 +16,11 @@ from async_dapo.weight_sync import broadcast_bucket, free_port, open_update_grou
 from tests.conftest import CPU_CONFIG
 
 pytestmark = pytest.mark.integration
-TOL = 2e-4  # see test_engine_logprobs.py for why
+# fp32 SGLang vs transformers logprobs on 300-token samples of randomly perturbed weights. Measured on the
+# tiny model: max 2.2e-5 over 3,600 tokens without a push, and once 2.3e-4 on one token of 900 after a
+# push (CI, 2026-11-30; test_engine_logprobs keeps 2e-4 on short answers). The old and new weights of these
+# tests differ by a max of 12-16 per sample, so 1e-3 still tells them apart by four orders of magnitude.
+TOL = 1e-3
 GROUP = "weights"
 
 
