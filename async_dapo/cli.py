@@ -1,6 +1,8 @@
 """``async-dapo`` command line: bootstrap | eval | train.
 
-Config errors print one line (``error: <dotted.key>: <problem>``) and exit 2.
+Config errors print one line (``error: <dotted.key>: <problem>``) and exit 2; a run that cannot go on (a dead
+learner rank, restarts exhausted, a batch that cannot be filled, silence) prints one line
+(``run failed: <what>; last checkpoint: <path>``) and exits 1.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from async_dapo.config import Config, ConfigError, dump_config, load_config
 from async_dapo.data import DatasetError
+from async_dapo.supervise import RunFailed
 
 log = logging.getLogger("async_dapo")
 
@@ -57,9 +60,10 @@ def _eval(cfg: Config) -> None:
     if cfg.model.bootstrap is not None:
         _bootstrap(cfg)
     pin_threads(1)
-    engine = start_engine(cfg.rollout.engine, cfg.model.path)
+    trust = cfg.model.trust_remote_code
+    engine = start_engine(cfg.rollout.engine, cfg.model.path, trust_remote_code=trust)
     try:
-        res = validate(engine, AutoTokenizer.from_pretrained(cfg.model.path), cfg)
+        res = validate(engine, AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=trust), cfg)
     finally:
         engine.shutdown()
     m = res.metrics
@@ -109,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunFailed as exc:  # the run cannot go on: one line, what failed and the last checkpoint
+        print(f"run failed: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: actors and engines were shut down", file=sys.stderr)
         return 130

@@ -94,7 +94,13 @@ class DataConfig(_Section):
     )
     synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
     max_prompt_length: int = Field(
-        256, ge=8, le=1_048_576, description="Prompts longer than this (tokens) are rejected at load."
+        256, ge=8, le=1_048_576, description="Most prompt tokens (chat template applied); what happens to "
+        "a longer prompt is set by `truncation`.",
+    )
+    truncation: Literal["error", "left"] = Field(
+        "error", description="verl's name: what happens to a prompt longer than max_prompt_length tokens. "
+        "'error' = reject it at load, naming the file and row; 'left' = keep its last max_prompt_length "
+        "tokens.",
     )
     shuffle_seed: int = Field(0, ge=0, description="Seed of the epoch-wise prompt order.")
     replay_batches: Path | None = Field(
@@ -136,7 +142,10 @@ class RolloutConfig(_Section):
     """Sampling of G responses per prompt by the SGLang rollout actors."""
 
     n: int = Field(8, ge=1, le=1024, description="G: responses sampled per prompt (group size).")
-    temperature: float = Field(1.0, ge=0, le=10, description="Training sampling temperature.")
+    temperature: float = Field(
+        1.0, gt=0, le=10, description="Training sampling temperature (> 0: behaviour logprobs are "
+        "log_softmax(logits / T), so T = 0 would make every update a NaN step).",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Training nucleus sampling.")
     top_k: int = Field(-1, ge=-1, description="Training top-k (-1 = off).")
     max_response_length: int = Field(
@@ -150,6 +159,18 @@ class RolloutConfig(_Section):
         description="How an engine takes new weights: pause+retract+continue, finish running first, "
         "or abort and resample.",
     )
+    request_timeout_s: float = Field(
+        600, gt=0, description="An engine request (one sample) with no result after this many seconds is "
+        "aborted and its group abandoned (counted; the prompt goes back to the cursor).",
+    )
+    max_abort_retries: int = Field(
+        3, ge=0, description="A sample whose request the engine aborted (not by our own weight update) is "
+        "resampled at most this many times, then its group is abandoned.",
+    )
+    drain_timeout_s: float = Field(
+        300, gt=0, description="update_mode=drain: longest wait (seconds) for running requests to finish "
+        "before the weight update fails.",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
 
@@ -162,6 +183,14 @@ class RewardConfig(_Section):
         8, ge=1, description="L_cache: penalty ramps over the last this-many tokens before L_max."
     )
     overlong_penalty_factor: float = Field(1.0, ge=0, le=100, description="Penalty at L_max.")
+    custom_function: str | None = Field(
+        None, pattern=r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$",
+        description="verl's custom_reward_function as 'path/to/file.py:name' or 'package.module:name': "
+        "called as name(data_source, solution_str, ground_truth, extra_info) and returning a float score "
+        "or a dict with 'score' (and optionally 'acc'; default acc = score > 0). None = the built-in "
+        "math_dapo rules. It runs inside the rollout actors; an exception abandons that group (counted as "
+        "queue/abandoned/score_error) and its prompt goes back to the cursor.",
+    )
 
 
 # ----------------------------------------------------------------------------------------- algorithm
@@ -227,7 +256,20 @@ class ReplayConfig(_Section):
         1, ge=0, le=1000, description="eta: 0 = synchronous; a group trained at version v has every "
         "token from a policy version >= v - eta.",
     )
-    capacity_groups: int = Field(256, ge=1, description="Most groups held in the queue.")
+    capacity_groups: int = Field(
+        256, ge=1, description="Most groups held in the queue; >= (max_staleness + 1) * "
+        "algorithm.train_batch_groups.",
+    )
+    ticket_ttl_s: float = Field(
+        1800, gt=0, description="An admitted prompt whose group has not arrived after this many seconds is "
+        "expired: its slot is released, it is counted as queue/abandoned/expired and the prompt goes back "
+        "to the cursor; a group arriving later for it is dropped and counted.",
+    )
+    silence_timeout_s: float = Field(
+        900, gt=0, description="The learner's wait for a batch fails when no group at all arrived for this "
+        "many seconds (bounds silence, not duration: a slow engine that keeps delivering groups is never "
+        "killed by it). Must exceed placement.health_check_timeout_s + weight_sync.timeout_s.",
+    )
 
 
 # ------------------------------------------------------------------------------------------- learner
@@ -252,6 +294,10 @@ class LearnerConfig(_Section):
     )
     activation_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     cpu_offload: bool = Field(False, description="FSDP2 CPU offload of parameters.")
+    collective_timeout_s: float = Field(
+        600, gt=0, description="Timeout (seconds) of the learners' torch.distributed process group: a rank "
+        "stuck in a collective raises after this.",
+    )
 
 
 # --------------------------------------------------------------------------------------- weight sync
@@ -261,7 +307,10 @@ class WeightSyncConfig(_Section):
     every_k_steps: int = Field(1, ge=1, description="Push after every k-th training step.")
     bucket_mb: int = Field(64, ge=1, le=16384, description="Bucket size of the streamed parameters.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on cuda else gloo.")
-    timeout_s: float = Field(600, gt=0, description="Timeout of one push.")
+    timeout_s: float = Field(
+        600, gt=0, description="Timeout (seconds) of one push; > rollout.drain_timeout_s and <= "
+        "placement.call_timeout_s.",
+    )
 
 
 # ----------------------------------------------------------------------------------------- placement
@@ -273,11 +322,33 @@ class PlacementConfig(_Section):
     )
     num_engines: int = Field(1, ge=1, description="Rollout actors (one SGLang engine each).")
     engine_cpus: float = Field(1, gt=0, description="CPUs per rollout actor.")
-    engine_gpus: int = Field(0, ge=0, description="GPUs per rollout actor (= rollout.engine.tp_size).")
+    engine_gpus: int = Field(
+        0, ge=0, description="GPUs per rollout actor: rollout.engine.tp_size on cuda, 0 on cpu (auto: "
+        "either).",
+    )
     learner_ranks: int = Field(1, ge=1, description="FSDP2 learner ranks.")
     learner_cpus: float = Field(1, gt=0, description="CPUs per learner rank.")
     learner_gpus: int = Field(0, ge=0, le=1, description="GPUs per learner rank (0 or 1).")
     queue_cpus: float = Field(0, ge=0, description="CPUs reserved for the replay-queue actor.")
+    start_timeout_s: float = Field(
+        900, gt=0, description="Bound (seconds) on placement-group readiness, engine start and learner "
+        "construction.",
+    )
+    call_timeout_s: float = Field(
+        1800, gt=0, description="Bound (seconds) on one learner call (train step, checkpoint, export) and "
+        "other control calls.",
+    )
+    health_check_interval_s: float = Field(
+        10, gt=0, description="Seconds between heartbeats to every rollout engine (slime: 10 s)."
+    )
+    health_check_timeout_s: float = Field(
+        30, gt=0, description="A heartbeat (one 1-token generate through the engine) unanswered after this "
+        "many seconds marks the engine hung: it is killed and replaced.",
+    )
+    max_engine_restarts: int = Field(
+        3, ge=0, description="Replacements of dead/hung rollout actors over the whole run; once exhausted "
+        "the run stops, naming the actor and the last checkpoint.",
+    )
 
 
 # ----------------------------------------------------------------------------------------- transport
@@ -302,7 +373,11 @@ class LoggingConfig(_Section):
     val_n: int = Field(4, ge=1, description="k: samples per validation prompt (avg@k, pass@k, maj@k).")
     val_temperature: float = Field(1.0, ge=0, le=10, description="Validation temperature.")
     val_top_p: float = Field(0.7, gt=0, le=1, description="Validation top_p (paper: 0.7).")
-    seed: int = Field(0, ge=0, description="Seed of python/numpy/torch in every process.")
+    val_timeout_s: float = Field(1800, gt=0, description="Bound (seconds) on one validation pass.")
+    seed: int = Field(
+        0, ge=0, description="Seed of python/numpy/torch in every process (learner ranks, rollout actors, "
+        "the driver).",
+    )
     record_batches: bool = Field(
         False, description="Write every trained batch to run_dir/batches/step_N.bin (wire format)."
     )
@@ -349,6 +424,70 @@ class Config(_Section):
             raise ValueError(
                 "rollout.engine.context_length must be >= data.max_prompt_length + "
                 "rollout.max_response_length"
+            )
+        ws, rp, ro, pl, eng = self.weight_sync, self.replay, self.rollout, self.placement, self.rollout.engine
+        if ws.every_k_steps > rp.max_staleness + 1:
+            raise ValueError(
+                f"weight_sync.every_k_steps ({ws.every_k_steps}) must be <= replay.max_staleness + 1 "
+                f"({rp.max_staleness + 1}): groups would be stale before the engines get new weights "
+                "(admission counts the engines' version, hand-out judges staleness at the learner's: deadlock)"
+            )
+        if self.algorithm.dynamic_sampling.enable and ro.n < 2:
+            raise ValueError(
+                f"rollout.n ({ro.n}) must be >= 2 when algorithm.dynamic_sampling.enable: a group of one is "
+                "never mixed, so dynamic sampling would drop every group"
+            )
+        need = (rp.max_staleness + 1) * self.algorithm.train_batch_groups
+        if rp.capacity_groups < need:
+            raise ValueError(
+                f"replay.capacity_groups ({rp.capacity_groups}) must be >= (replay.max_staleness + 1) * "
+                f"algorithm.train_batch_groups = ({rp.max_staleness} + 1) * "
+                f"{self.algorithm.train_batch_groups} = {need}"
+            )
+        if eng.device == "cuda" and pl.engine_gpus != eng.tp_size:
+            raise ValueError(
+                f"placement.engine_gpus ({pl.engine_gpus}) must equal rollout.engine.tp_size ({eng.tp_size}) "
+                "when rollout.engine.device is cuda"
+            )
+        if eng.device == "cpu" and (pl.engine_gpus != 0 or eng.tp_size != 1):
+            raise ValueError(
+                f"rollout.engine.device cpu needs placement.engine_gpus = 0 (got {pl.engine_gpus}) and "
+                f"rollout.engine.tp_size = 1 (got {eng.tp_size})"
+            )
+        if eng.device == "auto" and pl.engine_gpus not in (0, eng.tp_size):
+            raise ValueError(
+                f"placement.engine_gpus ({pl.engine_gpus}) must be 0 or rollout.engine.tp_size "
+                f"({eng.tp_size}) when rollout.engine.device is auto"
+            )
+        if self.learner.mini_batch_groups * ro.n < pl.learner_ranks:
+            raise ValueError(
+                f"learner.mini_batch_groups * rollout.n ({self.learner.mini_batch_groups} * {ro.n} = "
+                f"{self.learner.mini_batch_groups * ro.n}) must be >= placement.learner_ranks "
+                f"({pl.learner_ranks}): every rank needs at least one sample of each mini-batch"
+            )
+        if ro.drain_timeout_s >= ws.timeout_s:
+            raise ValueError(
+                f"rollout.drain_timeout_s ({ro.drain_timeout_s:g}) must be < weight_sync.timeout_s "
+                f"({ws.timeout_s:g}): the engines' side of the weight group would time out first"
+            )
+        if pl.health_check_timeout_s + ws.timeout_s >= rp.silence_timeout_s:
+            raise ValueError(
+                f"placement.health_check_timeout_s + weight_sync.timeout_s ({pl.health_check_timeout_s:g} + "
+                f"{ws.timeout_s:g}) must be < replay.silence_timeout_s ({rp.silence_timeout_s:g}): a hung "
+                "engine (stuck in a request or in a weight update) must be replaced before the learner gives "
+                "up waiting"
+            )
+        for key, value in (("learner.collective_timeout_s", self.learner.collective_timeout_s),
+                           ("weight_sync.timeout_s", ws.timeout_s)):
+            if value > pl.call_timeout_s:
+                raise ValueError(
+                    f"{key} ({value:g}) must be <= placement.call_timeout_s ({pl.call_timeout_s:g}): a call "
+                    "must outlive the collective it waits on, so the collective's own error surfaces"
+                )
+        if rp.ticket_ttl_s <= ro.request_timeout_s:
+            raise ValueError(
+                f"replay.ticket_ttl_s ({rp.ticket_ttl_s:g}) must be > rollout.request_timeout_s "
+                f"({ro.request_timeout_s:g}): a group is only expired once its requests can no longer be running"
             )
         return self
 
@@ -403,12 +542,15 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def _format_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
-    key = ".".join(str(p) for p in err["loc"]) or "<root>"
+    key = ".".join(str(p) for p in err["loc"])
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
+    elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
+        msg = str(err["ctx"]["error"])  # our own rule: drop pydantic's "Value error, " prefix
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{key}: {msg}{more}"
+    # Cross-field rules (Config._cross_checks) sit at the root and name their dotted keys themselves.
+    return f"{key}: {msg}{more}" if key else f"{msg}{more}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

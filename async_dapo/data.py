@@ -206,6 +206,41 @@ def val_rows(cfg) -> list[PromptRow]:
     return load_rows(cfg.data.val)[:n]
 
 
+def source_name(cfg, split: Literal["train", "val"]) -> str:
+    """How messages name a split's prompt source: the configured file path, or ``synthetic:<split>``."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    value = cfg.data.train if split == "train" else cfg.data.val
+    return f"synthetic:{split}" if value == "synthetic" else str(value)
+
+
+def fit_prompt_lengths(
+    rows: list[PromptRow], lengths: list[int], *, max_len: int, truncation: str, source: str
+) -> list[int]:
+    """Apply ``data.max_prompt_length`` / ``data.truncation`` to tokenized prompts (pure: the caller tokenizes).
+
+    ``lengths[i]`` is the token count of ``rows[i]``'s prompt (chat template applied). Returns, per row, how
+    many leading tokens to drop (0 for a prompt that fits). With ``truncation="error"`` the first prompt
+    longer than ``max_len`` raises :class:`DatasetError` naming ``source`` and its 0-based row; with
+    ``"left"`` a long prompt keeps its last ``max_len`` tokens (verl's left truncation).
+    """
+    if len(rows) != len(lengths):
+        raise ValueError(f"{source}: {len(rows)} rows but {len(lengths)} prompt lengths")
+    if truncation not in ("error", "left"):
+        raise ValueError(f"data.truncation must be 'error' or 'left', got {truncation!r}")
+    if max_len < 1:
+        raise ValueError(f"data.max_prompt_length must be >= 1, got {max_len}")
+    drops = []
+    for i, n in enumerate(lengths):
+        if n > max_len and truncation == "error":
+            raise DatasetError(
+                f"{source}: row {i}: prompt: {n} tokens > data.max_prompt_length {max_len} "
+                f"(set data.truncation=left to keep the last {max_len} tokens)"
+            )
+        drops.append(max(0, n - max_len))
+    return drops
+
+
 class PromptCursor:
     """Epoch-aware prompt order: each epoch is a fresh seeded permutation of the row indices.
 

@@ -27,11 +27,12 @@ class Sample:
     truncated: bool  # stopped by the length limit, not by EOS
 
 
-def engine_kwargs(ec: EngineConfig, model_path: str | Path) -> dict[str, Any]:
+def engine_kwargs(ec: EngineConfig, model_path: str | Path, trust_remote_code: bool = False) -> dict[str, Any]:
     """sglang.Engine keyword arguments for ``ec`` (device-specific defaults resolved here)."""
     device = resolve_device(ec.device)
     kw: dict[str, Any] = {
         "model_path": str(model_path),
+        "trust_remote_code": trust_remote_code,
         "device": device,
         "dtype": engine_dtype(device, ec.dtype),
         "tp_size": ec.tp_size,
@@ -49,13 +50,13 @@ def engine_kwargs(ec: EngineConfig, model_path: str | Path) -> dict[str, Any]:
     return {**kw, **ec.extra_args}
 
 
-def start_engine(ec: EngineConfig, model_path: str | Path):
+def start_engine(ec: EngineConfig, model_path: str | Path, trust_remote_code: bool = False):
     """Start an in-process sglang.Engine. Call from the main thread of a process (SGLang installs
     signal handlers) whose entry point has an ``if __name__ == "__main__":`` guard."""
     activate_sglang_env(resolve_device(ec.device))
     import sglang  # after the environment is set: the CPU path needs it at import time
 
-    return sglang.Engine(**engine_kwargs(ec, model_path))
+    return sglang.Engine(**engine_kwargs(ec, model_path, trust_remote_code))
 
 
 def parse_output(out: dict[str, Any]) -> Sample:

@@ -24,6 +24,7 @@ new version.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import queue as queue_mod
 import random
@@ -37,11 +38,11 @@ import torch.distributed as dist
 
 from async_dapo.batching import MicroBatch, PlannedMiniBatch, plan_step
 from async_dapo.config import Config
-from async_dapo.device import dist_backend, engine_dtype, pin_threads, resolve_device
+from async_dapo.device import dist_backend, engine_dtype, pin_threads, resolve_device, seed_everything
 from async_dapo.loss import entropy_and_token_prob, importance_weights, policy_loss
-from async_dapo.weight_sync import broadcast_bucket, open_update_group, plan_buckets
+from async_dapo.weight_sync import broadcast_bucket, close_update_group, open_update_group, plan_buckets
 
-WEIGHT_GROUP = "async_dapo_weights"
+WEIGHT_GROUP = "async_dapo_weights"  # + a generation suffix: the group is rebuilt when an engine is replaced
 # Wrappers that FSDP2 / activation checkpointing / torch.compile may insert into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -68,9 +69,12 @@ class LearnerWorker:
         self.device = learner_device(cfg)
         if self.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0)
+        # The timeout bounds every collective: a rank whose peer died raises instead of waiting forever.
         dist.init_process_group(dist_backend(self.device), init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size)
-        torch.manual_seed(cfg.logging.seed)
+                                rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=cfg.learner.collective_timeout_s))
+        # Same seed on every rank: the model init and any dropout must agree across FSDP shards.
+        seed_everything(cfg.logging.seed)
         self.model = self._build_model()
         lc = cfg.learner
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=lc.betas,
@@ -82,6 +86,7 @@ class LearnerWorker:
         self.skipped_updates = 0
         self.pad_id = self.model.config.pad_token_id or 0
         self._weight_pg = None
+        self._weight_group_name = WEIGHT_GROUP
         self._push_thread: threading.Thread | None = None
         self._push_result: dict[str, Any] = {}
 
@@ -91,7 +96,8 @@ class LearnerWorker:
         from transformers import AutoModelForCausalLM
 
         lc = self.cfg.learner
-        model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, torch_dtype=torch.float32,
+                                                     trust_remote_code=self.cfg.model.trust_remote_code)
         if lc.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device)
@@ -109,6 +115,9 @@ class LearnerWorker:
     def ready(self) -> int:
         """Returns once the rank is constructed (its process group and model are up)."""
         return self.rank
+
+    def pid(self) -> int:
+        return os.getpid()
 
     # ------------------------------------------------------------------ forward
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
@@ -230,11 +239,27 @@ class LearnerWorker:
         return grads
 
     # ------------------------------------------------------------------ weight push
-    def open_weight_group(self, master_addr: str, master_port: int, world_size: int) -> None:
-        """Rank 0 only: become rank 0 of the weight-update group (engines join concurrently)."""
+    def open_weight_group(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
+        """Rank 0 only: become rank 0 of the weight-update group ``group_name`` (engines join concurrently).
+        An earlier group is destroyed first, which also fails any engine still waiting on it."""
         ws = self.cfg.weight_sync
-        self._weight_pg = open_update_group(master_addr, master_port, world_size, WEIGHT_GROUP,
+        self.close_weight_group()
+        self._weight_pg = open_update_group(master_addr, master_port, world_size, group_name,
                                             dist_backend(self.device, ws.backend), ws.timeout_s)
+        self._weight_group_name = group_name
+
+    def close_weight_group(self) -> None:
+        """Abandon the current weight-update group (an engine of it died): join the sender, whatever its
+        outcome, then destroy the group."""
+        if self._push_thread is not None:
+            self._push_thread.join(timeout=self.cfg.weight_sync.timeout_s)
+            self._push_thread = None
+        if self._weight_pg is not None:
+            try:
+                close_update_group(self._weight_pg)
+            except Exception:  # a group whose peer died may refuse a clean destroy; it is dropped anyway
+                pass
+            self._weight_pg = None
 
     def _push_plan(self):
         dtype = getattr(torch, engine_dtype(resolve_device(self.cfg.rollout.engine.device),
@@ -254,7 +279,7 @@ class LearnerWorker:
         dtype, buckets, by_name = self._push_plan()
         handoff: queue_mod.Queue | None = None
         if self.rank == 0:
-            refs = [e.update_weights.remote(buckets, WEIGHT_GROUP, version) for e in engines]
+            refs = [e.update_weights.remote(buckets, self._weight_group_name, version) for e in engines]
             handoff = queue_mod.Queue(maxsize=2)
             self._push_thread = threading.Thread(target=self._send, args=(handoff, refs, replay, version),
                                                  daemon=True)
@@ -264,33 +289,49 @@ class LearnerWorker:
             # and .to() return the live parameter, which the next optimizer step would change mid-send.
             tensors = [by_name[n].full_tensor().detach().to(dtype, copy=True) for n in b.names]
             if handoff is not None:
-                handoff.put(tensors)
+                self._hand_over(handoff, tensors)
         if handoff is not None:
-            handoff.put(None)
+            self._hand_over(handoff, None)
         return {"push_stall_s": stall, "push_blocking_s": time.perf_counter() - t0,
                 "push_bytes": float(sum(b.nbytes for b in buckets))}
+
+    def _hand_over(self, handoff: queue_mod.Queue, item) -> None:
+        """Give one bucket to the sender thread. If the sender has died, drop the bucket instead of
+        blocking: rank 0 keeps gathering so that the other ranks are not left waiting in the collective,
+        and the error is raised by the next wait_push (the sender recorded it)."""
+        while self._push_thread is not None and self._push_thread.is_alive():
+            try:
+                handoff.put(item, timeout=1.0)
+                return
+            except queue_mod.Full:
+                continue
 
     def _send(self, handoff: queue_mod.Queue, refs: list, replay, version: int) -> None:
         import ray
 
         t0 = time.perf_counter()
         sent = 0
+        timeout = self.cfg.weight_sync.timeout_s
         try:
-            for tensors in iter(handoff.get, None):
-                sent += broadcast_bucket(self._weight_pg, tensors)
-            engine_s = ray.get(refs)
+            while (tensors := handoff.get(timeout=timeout)) is not None:
+                sent += broadcast_bucket(self._weight_pg, tensors)  # bounded by the group's timeout
+            engine_s = ray.get(refs, timeout=timeout)
             if replay is not None:
-                ray.get(replay.set_version.remote(version))  # the engines run `version` now
+                ray.get(replay.set_version.remote(version), timeout=timeout)  # the engines run `version` now
             self._push_result = {"version": version, "push_s": time.perf_counter() - t0, "bytes": sent,
                                  "engine_s": max(engine_s) if engine_s else 0.0, "error": ""}
         except Exception as exc:  # surfaced by wait_push: a failed push must fail the run loudly
             self._push_result = {"version": version, "error": repr(exc)}
 
     def wait_push(self) -> float:
-        """Block until the previous push finished (rank 0); returns the seconds waited."""
+        """Block until the previous push finished (rank 0), at most weight_sync.timeout_s plus the time to
+        join; returns the seconds waited. Raises if that push failed or is still running."""
         t0 = time.perf_counter()
         if self._push_thread is not None:
-            self._push_thread.join()
+            self._push_thread.join(timeout=2 * self.cfg.weight_sync.timeout_s)
+            if self._push_thread.is_alive():
+                raise TimeoutError(f"weight push of version {self._push_result.get('version', '?')}: sender "
+                                   f"still busy after {2 * self.cfg.weight_sync.timeout_s:.0f} s")
             self._push_thread = None
             if self._push_result.get("error"):
                 raise RuntimeError(f"weight push of version {self._push_result['version']} failed: "
@@ -336,11 +377,12 @@ class LearnerWorker:
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            config = AutoConfig.from_pretrained(self.cfg.model.path)
+            config = AutoConfig.from_pretrained(self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code)
             model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
             model.load_state_dict({sglang_name(k): v for k, v in full.items()})
             model.save_pretrained(path, safe_serialization=True)
-            AutoTokenizer.from_pretrained(self.cfg.model.path).save_pretrained(path)
+            AutoTokenizer.from_pretrained(self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code
+                                          ).save_pretrained(path)
         dist.barrier()
 
     def shutdown(self) -> None:

@@ -30,6 +30,8 @@ _QUEUE_TAGS = {
     "dropped_all_wrong": "queue/dropped_all_wrong", "rejected_malformed": "queue/rejected_malformed",
     "rejected_oversized": "queue/rejected_oversized", "rejected_schema": "queue/rejected_schema",
     "accepted": "queue/accepted", "received": "queue/received", "running": "queue/running",
+    "abandoned": "queue/abandoned", "rejected_auth": "queue/rejected_auth",
+    "rejected_unexpected": "queue/rejected_unexpected",
 }
 
 
@@ -60,6 +62,7 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
     out.update({tag: float(learner[k]) for k, tag in _LEARNER_TAGS.items() if k in learner})
     out.update({tag: float(queue[k]) for k, tag in _QUEUE_TAGS.items() if k in queue})
     out["queue/dropped_stale"] = float(queue.get("dropped_stale", 0) + queue.get("dropped_stale_at_handout", 0))
+    out.update({f"queue/{k}": float(v) for k, v in queue.items() if k.startswith("abandoned/")})  # by reason
     step_s = max(timing["step_s"], 1e-9)
     out.update({
         "perf/step_s": step_s, "perf/wait_data_s": timing["wait_data_s"],
@@ -83,14 +86,16 @@ def progress_line(step: int, total: int, m: dict[str, float], eta_s: float) -> s
 class MetricsWriter:
     """TensorBoard events in ``run_dir/tb`` and one JSON object per step in ``run_dir/metrics.jsonl``."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, purge_step: int | None = None) -> None:
+        """``purge_step`` (a resumed run: checkpoint step + 1): TensorBoard hides the events at and after it
+        that the interrupted run wrote (metrics.jsonl is rewound by :func:`rewind_jsonl` beforehand)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tb"))
+            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._tb is not None:
@@ -105,6 +110,21 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         self._jsonl.close()
+
+
+def rewind_jsonl(path: Path, step: int) -> int:
+    """Drop the rows of ``path`` whose ``step`` is after ``step`` (a run resumed from that checkpoint
+    writes them again), atomically; returns how many were dropped. Rows are JSON objects with "step"."""
+    import os
+
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return len(lines) - len(keep)
 
 
 def val_subsets_line(metrics: dict[str, float]) -> str:

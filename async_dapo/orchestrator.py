@@ -4,6 +4,12 @@ loop, and shut everything down on completion, Ctrl-C or SIGTERM.
 One code path serves every mode. η = ``replay.max_staleness`` alone decides how far rollouts run ahead:
 η = 0 is synchronous (the queue admits the next batch's prompts only once the engines run the newest
 weights), η = 1 overlaps one step, larger η is fully asynchronous with that bound.
+
+Faults (docs/reliability.md): while it waits for a batch the orchestrator heartbeats the rollout actors and
+replaces a dead or hung one (async_dapo.supervise); a dead learner rank, a queue that cannot fill a batch,
+or silence past ``replay.silence_timeout_s`` stops the run with one line naming what failed and the last
+checkpoint (:class:`~async_dapo.supervise.RunFailed`). Checkpoint metadata is written atomically, and a
+resumed run rewinds metrics.jsonl, prompts.jsonl and TensorBoard to the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -17,24 +23,25 @@ from typing import Any
 
 from async_dapo.config import Config, dump_config
 from async_dapo.data import val_rows
-from async_dapo.metrics import MetricsWriter, progress_line, step_metrics, val_subsets_line
+from async_dapo.metrics import MetricsWriter, progress_line, rewind_jsonl, step_metrics, val_subsets_line
+from async_dapo.supervise import ActorDied, EngineSupervisor, RunFailed
 
 log = logging.getLogger("async_dapo")
 
 
 def train(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
-    """Run DAPO training as configured; returns the last step's metrics."""
+    """Run DAPO training as configured; returns the last step's metrics. RunFailed: the run cannot go on."""
     with Run(cfg, resume) as run:
         for step in range(run.step + 1, cfg.learner.total_steps + 1):
             t0 = time.perf_counter()
-            batch = run.next_batch()                       # B fresh, mixed-outcome groups
+            batch = run.next_batch()                       # B fresh, mixed-outcome groups (engines supervised)
             stats = run.train(batch)                       # one DAPO step on every rank: version += 1
             if step % cfg.weight_sync.every_k_steps == 0:
                 run.push_weights()                         # engines load while the next step trains
             run.log(step, batch, stats, t0)
             if run.due(step, cfg.logging.val_every_steps):
                 run.validate(step)
-            if run.due(step, cfg.checkpoint.every_steps):
+            if run.due(step, cfg.checkpoint.every_steps) or step == cfg.learner.total_steps:
                 run.checkpoint(step)
         return run.finish()
 
@@ -60,8 +67,14 @@ class Run:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self._shutdown()
+        if isinstance(exc, RunFailed):  # one line: what failed, where to resume from
+            raise RunFailed(f"{exc}; last checkpoint: {self.last_checkpoint()}") from None
+
+    def last_checkpoint(self) -> str:
+        latest = _latest_complete(self.run_dir / "checkpoints")
+        return f"{latest} (continue with --resume {self.run_dir})" if latest else "none"
 
     @staticmethod
     def _on_sigterm(signum, frame) -> None:
@@ -71,9 +84,14 @@ class Run:
     def _start(self) -> None:
         import ray
 
+        from async_dapo.device import seed_everything
         from async_dapo.placement import place
+        from async_dapo.preflight import check_prompts, check_reward_function
 
         cfg = self.cfg
+        seed_everything(cfg.logging.seed)
+        check_reward_function(cfg)  # before anything starts: a bad config costs seconds, not a cluster
+        check_prompts(cfg)
         if self.resume is None and (moved := archive_previous_run(self.run_dir)) is not None:
             log.info("run_dir %s held an earlier run: moved it to %s", self.run_dir, moved)
         dump_config(cfg, self.run_dir / "config.yaml")
@@ -86,11 +104,16 @@ class Run:
             self.ckpt = _checkpoint_to_resume(self.resume)
             meta = json.loads((self.ckpt / "meta.json").read_text())
             self.step, self.version = int(meta["step"]), int(meta["version"])
+            for name in ("metrics.jsonl", "prompts.jsonl"):  # the killed run's steps after the checkpoint
+                rewind_jsonl(self.run_dir / name, self.step)
         self.placed = place(cfg, initial_version=self.version)
-        self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard)
+        self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, on_replace=self._write_actors)
+        self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard,
+                                     purge_step=self.step + 1 if self.resume is not None else None)
         if self.resume is not None:
             self._restore()
         self.placed.start_rollouts()
+        self._write_actors()
         self._last["t"] = self._t_start = time.perf_counter()
         if self.step == 0 and cfg.logging.val_every_steps:
             self.validate(0)
@@ -102,9 +125,9 @@ class Run:
         versions = self.placed.on_learners("load_checkpoint", str(ckpt))
         if set(versions) != {self.version}:
             raise RuntimeError(f"{ckpt}: learner ranks restored versions {versions}, meta.json says {self.version}")
-        ray.get(self.placed.replay.load_state_dict.remote(json.loads((ckpt / "replay.json").read_text())))
-        self.push_weights()  # engines restart from model.path: give them the restored weights first
-        self.placed.wait_push()
+        self.placed.get(self.placed.replay.load_state_dict.remote(json.loads((ckpt / "replay.json").read_text())),
+                        "replay state")
+        self._push_now(self.version)  # engines restart from model.path: give them the restored weights first
         log.info("resumed from %s at step %d, version %d", ckpt, self.step, self.version)
 
     def _shutdown(self) -> None:
@@ -120,34 +143,74 @@ class Run:
 
     # ------------------------------------------------------------------ loop operations
     def next_batch(self) -> list:
-        import ray
-
         t0 = time.perf_counter()
         if self.cfg.data.replay_batches is not None:
             batch = read_batch(Path(self.cfg.data.replay_batches) / f"step_{self.step + 1}.bin")
         else:
-            batch = ray.get(self.placed.replay.get_batch.remote(self.version))
+            batch = self._await_batch()
         if self.cfg.logging.record_batches:
             write_batch(batch, self.run_dir / "batches" / f"step_{self.step + 1}.bin")
         self._wait_data_s = time.perf_counter() - t0
         self._batch_version = self.version  # the weights this batch is trained on
         return batch
 
+    def _await_batch(self) -> list:
+        """Poll the queue (a few seconds at a time) for B groups; between polls heartbeat the engines and
+        replace failed ones. Stops the run when the queue reports it cannot fill a batch, or when no group
+        arrived for replay.silence_timeout_s (silence, not duration: a slow engine that delivers is fine)."""
+        rc = self.cfg.replay
+        while True:
+            if self.supervisor.due():
+                self.supervisor.check(self.version, self._push_now)
+            got = self.placed.get(self.placed.replay.get_batch.remote(self.version, 2.0), "replay get_batch")
+            if got["batch"] is not None:
+                return got["batch"]
+            if got["problem"]:
+                raise RunFailed(f"no batch can be filled: {got['problem']}")
+            if got["silent_s"] > rc.silence_timeout_s:
+                q = self.placed.get(self.placed.replay.stats.remote(), "replay stats")
+                alive = len(self.placed.engines) - len(self.supervisor.failed_engines())
+                raise RunFailed(f"no group for {got['silent_s']:.0f} s (replay.silence_timeout_s); {alive} of "
+                                f"{len(self.placed.engines)} rollout actors alive; {q['running']} running, "
+                                f"{q['depth']} queued, admission capacity {q['capacity_to_admit']}")
+
     def train(self, batch: list) -> dict[str, float]:
         stats = self.placed.on_learners("train_step", batch)[0]
         self.version = int(stats["version"])
+        self._write_prompts(batch)
         return stats
 
+    def _write_actors(self) -> None:
+        write_atomic(self.run_dir / "actors.json", json.dumps(self.placed.pids()))
+
+    def _write_prompts(self, batch: list) -> None:
+        """prompts.jsonl: the (epoch, prompt index) pairs each step trained on (rewound on resume), so a
+        run's data lineage can be audited: no prompt twice in an epoch, none skipped."""
+        line = json.dumps({"step": self.step + 1, "prompts": [[g.epoch, g.prompt_index] for g in batch]})
+        with (self.run_dir / "prompts.jsonl").open("a") as f:
+            f.write(line + "\n")
+
     def push_weights(self) -> None:
+        """Push the current weights. If the previous push failed (an engine died under it), let the
+        supervisor replace the engine, which pushes the current weights itself."""
+        try:
+            self.placed.wait_push()
+        except RunFailed as exc:
+            if isinstance(exc, ActorDied) or not self.supervisor.check(self.version, self._push_now):
+                raise
+            return
         self.placed.push_weights(self.version)
+
+    def _push_now(self, version: int) -> None:
+        """Push ``version`` to every engine and wait until they run it (resume, engine replacement)."""
+        self.placed.push_weights(version)
+        self.placed.wait_push()
 
     def due(self, step: int, every: int) -> bool:
         return every > 0 and (step % every == 0 or step == self.cfg.learner.total_steps)
 
     def log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
-        import ray
-
-        queue = ray.get(self.placed.replay.stats.remote())
+        queue = self.placed.get(self.placed.replay.stats.remote(), "replay stats")
         roll = self.placed.rollout_stats()
         now = time.perf_counter()
         dt = max(now - self._last["t"], 1e-9)
@@ -157,6 +220,7 @@ class Run:
                   "rollout_idle_ratio": min(1.0, (roll["idle_seconds"] - self._last["idle"]) / dt / roll["engines"])}
         self._last = {"gen_tokens": roll["gen_tokens"], "idle": roll["idle_seconds"], "t": now}
         m = step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing)
+        m["rollout/engine_restarts"] = float(self.supervisor.restarts)
         self.metrics.write(step, m)
         self.step = step
         self._steps_done += 1
@@ -165,12 +229,18 @@ class Run:
         self.last_metrics = m
 
     def validate(self, step: int) -> None:
-        import ray
-
         lg = self.cfg.logging
         params = {"temperature": lg.val_temperature, "top_p": lg.val_top_p,
                   "max_new_tokens": self.cfg.rollout.max_response_length}
-        res = ray.get(self.placed.engines[0].validate.remote(val_rows(self.cfg), lg.val_n, params))
+        what = f"validation at step {step}"
+        try:
+            res = self.placed.get(self.placed.engines[0].validate.remote(val_rows(self.cfg), lg.val_n, params),
+                                  what, lg.val_timeout_s)
+        except (RunFailed, TimeoutError) as exc:  # the engine may have died: replace it, then try once more
+            if not self.supervisor.check(self.version, self._push_now):
+                raise RunFailed(f"{what}: {exc}") from None
+            res = self.placed.get(self.placed.engines[0].validate.remote(val_rows(self.cfg), lg.val_n, params),
+                                  what, lg.val_timeout_s)
         self.metrics.write(step, res)
         log.info("val step %d (engine v%d): avg@%d %.3f pass@%d %.3f maj@%d %.3f  %s", step, int(res["val/version"]),
                  lg.val_n, res["val/avg_at_k"], lg.val_n, res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"],
@@ -178,20 +248,23 @@ class Run:
         self.last_val = res
 
     def checkpoint(self, step: int) -> None:
-        import ray
-
         ckpt = self.run_dir / "checkpoints" / f"step_{step}"
         self.placed.on_learners("save_checkpoint", str(ckpt))
-        state = ray.get(self.placed.replay.state_dict.remote())
-        (ckpt / "replay.json").write_text(json.dumps(state))
+        state = self.placed.get(self.placed.replay.state_dict.remote(), "replay state")
+        write_atomic(ckpt / "replay.json", json.dumps(state))
         meta = json.dumps({"step": step, "version": self.version})
-        (ckpt / "meta.json").write_text(meta)  # written last: a checkpoint without it is incomplete
-        (self.run_dir / "checkpoints" / "latest.json").write_text(meta)
+        write_atomic(ckpt / "meta.json", meta)  # written last: a checkpoint without it is incomplete
+        write_atomic(self.run_dir / "checkpoints" / "latest.json", meta)
         _prune(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last)
         log.info("checkpoint %s", ckpt)
 
     def finish(self) -> dict[str, Any]:
-        self.placed.wait_push()
+        try:
+            self.placed.wait_push()
+        except RunFailed as exc:
+            if isinstance(exc, ActorDied):
+                raise
+            log.warning("the last weight push failed (%s); the learners' checkpoint and export are unaffected", exc)
         if self.cfg.checkpoint.export_hf:
             self.placed.on_learners("export_hf", str(self.run_dir / "hf"))
         return {**getattr(self, "last_metrics", {}), **getattr(self, "last_val", {})}
@@ -210,14 +283,45 @@ def archive_previous_run(run_dir: Path) -> Path | None:
     return moved
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one, never a torn
+    one: write a temporary file beside it, flush it to disk, then rename over (atomic on POSIX)."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _complete(ckpt: Path) -> bool:
+    """A checkpoint counts only with its metadata (written last, atomically) and its replay state."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+        return int(meta["step"]) >= 0 and (ckpt / "replay.json").exists()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _latest_complete(root: Path) -> Path | None:
+    done = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and _complete(p)]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
 def _checkpoint_to_resume(path: Path) -> Path:
-    """``--resume`` takes a run directory (its latest checkpoint) or one checkpoint directory."""
-    if (path / "meta.json").exists():
+    """``--resume`` takes a run directory (its newest complete checkpoint) or one checkpoint directory. A
+    checkpoint without its metadata (the run died while writing it) is never chosen."""
+    if (path / "meta.json").exists() or path.parent.name == "checkpoints":
+        if not _complete(path):
+            raise FileNotFoundError(f"--resume {path}: incomplete checkpoint (no valid meta.json/replay.json)")
         return path
-    latest = path / "checkpoints" / "latest.json"
-    if not latest.exists():
-        raise FileNotFoundError(f"--resume {path}: neither a checkpoint nor a run with checkpoints/latest.json")
-    return path / "checkpoints" / f"step_{json.loads(latest.read_text())['step']}"
+    latest = _latest_complete(path / "checkpoints")
+    if latest is None:
+        raise FileNotFoundError(f"--resume {path}: no complete checkpoint under {path / 'checkpoints'}")
+    return latest
 
 
 def write_batch(groups: list, path: Path) -> None:

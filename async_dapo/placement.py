@@ -1,7 +1,9 @@
 """Place a run's actors with Ray and wire them: one placement group (a bundle per engine and per learner
 rank, CPU or GPU from the config), the replay-queue actor, the zmq stream, the learners' process group and
 the weight-update group (learner rank 0 + every engine rank). Also the fan-out helpers the orchestrator
-uses, and an orderly shutdown by handle.
+uses, the pieces the supervisor (async_dapo.supervise) replaces a rollout actor with, and an orderly shutdown
+by handle. Every wait is bounded by the config (placement.start_timeout_s, call_timeout_s,
+weight_sync.timeout_s).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from async_dapo.device import dist_backend
 from async_dapo.learner import WEIGHT_GROUP, learner_actor_class, learner_device
 from async_dapo.replay_service import replay_actor_class
 from async_dapo.rollout import rollout_actor_class
+from async_dapo.supervise import ActorDied, RunFailed, cause_of, wait_all
 
 log = logging.getLogger("async_dapo")
-READY_TIMEOUT_S = 900  # engine start is 20-60 s on a small CPU box, minutes for big models
 
 
 def _bundle(cpus: float, gpus: int) -> dict[str, float]:
@@ -40,7 +42,7 @@ def _endpoint(cfg: Config, pg, bundle: int) -> tuple[str, int]:
         return host, free_port(host)
 
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-    return ray.get(probe.options(scheduling_strategy=strategy).remote())
+    return ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=cfg.placement.start_timeout_s)
 
 
 @dataclass
@@ -50,37 +52,98 @@ class Placed:
     replay: Any
     engines: list = field(default_factory=list)
     learners: list = field(default_factory=list)
+    group_generation: int = 0  # the weight-update group is rebuilt (a new name) when an engine is replaced
+
+    def get(self, refs, what: str, timeout_s: float | None = None):
+        """ray.get bounded by placement.call_timeout_s (or ``timeout_s``); the error names what it waited for."""
+        import ray
+
+        timeout_s = self.cfg.placement.call_timeout_s if timeout_s is None else timeout_s
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{what}: no answer in {timeout_s:.0f} s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise ActorDied(f"{what}: actor died ({cause_of(exc)})") from None
+        except ray.exceptions.RayTaskError as exc:
+            log.warning("%s failed:\n%s", what, exc)
+            raise RunFailed(f"{what} failed: {cause_of(exc)}") from None
 
     def on_learners(self, method: str, *args) -> list:
-        import ray
+        refs = [getattr(r, method).remote(*args) for r in self.learners]
+        return wait_all(refs, [f"learner rank {r}" for r in range(len(refs))], what=method,
+                        timeout_s=self.cfg.placement.call_timeout_s)
 
-        return ray.get([getattr(r, method).remote(*args) for r in self.learners])
-
-    def start_rollouts(self) -> None:
-        import ray
-
-        address = ray.get(self.replay.address.remote())
-        ray.get([e.start.remote(self.replay, address) for e in self.engines])
+    def start_rollouts(self, which: list[int] | None = None) -> None:
+        address = self.get(self.replay.address.remote(), "replay address")
+        secret = self.get(self.replay.producer_secret.remote(), "replay secret")
+        engines = [self.engines[i] for i in (range(len(self.engines)) if which is None else which)]
+        self.get([e.start.remote(self.replay, address, secret) for e in engines], "start rollouts")
 
     def push_weights(self, version: int) -> None:
         self.on_learners("push_weights", self.engines, self.replay, version)
 
     def wait_push(self) -> float:
-        import ray
-
-        return ray.get(self.learners[0].wait_push.remote())
+        """Wait for the previous push; RunFailed if it failed (ActorDied if learner rank 0 died)."""
+        return wait_all([self.learners[0].wait_push.remote()], ["learner rank 0"], what="weight push",
+                        timeout_s=3 * self.cfg.weight_sync.timeout_s)[0]
 
     def last_push(self) -> dict[str, Any]:
-        import ray
-
-        return ray.get(self.learners[0].last_push.remote())
+        return self.get(self.learners[0].last_push.remote(), "last push")
 
     def rollout_stats(self) -> dict[str, float]:
         import ray
 
-        stats = ray.get([e.get_stats.remote() for e in self.engines])
+        stats = []
+        for e in self.engines:  # a dead engine is the supervisor's business, not the metrics'
+            try:
+                stats.append(ray.get(e.get_stats.remote(), timeout=self.cfg.placement.health_check_timeout_s))
+            except Exception:
+                continue
         return {"gen_tokens": sum(s["gen_tokens"] for s in stats),
-                "idle_seconds": sum(s["idle_seconds"] for s in stats), "engines": len(stats)}
+                "idle_seconds": sum(s["idle_seconds"] for s in stats), "engines": max(len(stats), 1)}
+
+    def pids(self) -> dict[str, Any]:
+        """Process ids of the run's actors (written to run_dir/actors.json for operators and fault tests)."""
+        import ray
+
+        def pid(ref) -> int | None:
+            try:
+                return ray.get(ref, timeout=self.cfg.placement.health_check_timeout_s)
+            except Exception:  # a dead actor has no pid to report
+                return None
+
+        engines = {str(i): (pid(e.get_stats.remote()) or {}) for i, e in enumerate(self.engines)}
+        return {"rollout": {i: s.get("pid") if isinstance(s, dict) else None for i, s in engines.items()},
+                "learner": {str(r): pid(a.pid.remote()) for r, a in enumerate(self.learners)},
+                "weight_group": weight_group_name(self.group_generation)}
+
+    def bundle(self, index: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)}
+
+    def new_engine(self, index: int, version: int):
+        """Start rollout actor ``index`` (in its own bundle) at ``version`` and wait until its engine is up."""
+        engine = rollout_actor_class(self.cfg, **self.bundle(index)).remote(self.cfg, index, version)
+        self.get(engine.get_stats.remote(), f"start of rollout actor {index}", self.cfg.placement.start_timeout_s)
+        return engine
+
+    def rebuild_weight_group(self) -> None:
+        """A new weight-update group (new name, new port) with every current engine: the learner closes the
+        old one first, which also fails any engine still blocked in it; survivors then leave it."""
+        import ray
+
+        old = weight_group_name(self.group_generation)
+        self.get(self.learners[0].close_weight_group.remote(), "close weight group",
+                 2 * self.cfg.weight_sync.timeout_s)
+        for e in self.engines:
+            try:
+                ray.get(e.leave_weight_group.remote(old), timeout=self.cfg.weight_sync.timeout_s)
+            except Exception as exc:  # the replacement never joined the old group
+                log.debug("leave %s: %r", old, exc)
+        self.group_generation += 1
+        _join_weight_group(self, *_endpoint(self.cfg, self.pg, len(self.engines)))
 
     def shutdown(self) -> None:
         """End what this run started, by handle: engines (SGLang processes), learners, queue, the group."""
@@ -88,9 +151,9 @@ class Placed:
         from ray.util.placement_group import remove_placement_group
 
         for actors, method in ((self.engines, "shutdown"), (self.learners, "shutdown"), ([self.replay], "close")):
-            refs = [getattr(a, method).remote() for a in actors]
-            try:
-                ray.get(refs, timeout=120)
+            actors = [a for a in actors if a is not None]
+            try:  # bounded: a hung actor is killed below anyway
+                ray.get([getattr(a, method).remote() for a in actors], timeout=60)
             except Exception as exc:  # a crashed actor must not stop the others from being ended
                 log.warning("shutdown: %s failed: %r", method, exc)
             for a in actors:
@@ -98,42 +161,43 @@ class Placed:
         remove_placement_group(self.pg)
 
 
+def weight_group_name(generation: int) -> str:
+    return f"{WEIGHT_GROUP}_{generation}"
+
+
 def place(cfg: Config, initial_version: int = 0) -> Placed:
-    """Create and wire every actor of a run; returns when all are ready."""
-    import ray
+    """Create and wire every actor of a run; returns when all are ready (or raises naming what is not,
+    after placement.start_timeout_s)."""
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     p = cfg.placement
     n_eng, n_lrn = p.num_engines, p.learner_ranks
     bundles = [_bundle(p.engine_cpus, p.engine_gpus)] * n_eng + [_bundle(p.learner_cpus, p.learner_gpus)] * n_lrn
     # Created first: a placement group waits forever for CPUs that fractional-CPU actors already hold.
     pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
-    placed = Placed(cfg, pg, replay_actor_class(cfg).remote(cfg, initial_version))
-
-    def at(i: int) -> dict[str, Any]:
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
-
-    placed.engines = [rollout_actor_class(cfg, **at(i)).remote(cfg, i, initial_version) for i in range(n_eng)]
+    placed = Placed(cfg, pg, None)
+    placed.get(pg.ready(), f"placement group {bundles}", p.start_timeout_s)
+    placed.replay = replay_actor_class(cfg).remote(cfg, initial_version)
+    placed.engines = [rollout_actor_class(cfg, **placed.bundle(i)).remote(cfg, i, initial_version)
+                      for i in range(n_eng)]
     host, port = _endpoint(cfg, pg, n_eng)
-    placed.learners = [learner_actor_class(cfg, **at(n_eng + r)).remote(cfg, r, n_lrn, host, port)
+    placed.learners = [learner_actor_class(cfg, **placed.bundle(n_eng + r)).remote(cfg, r, n_lrn, host, port)
                        for r in range(n_lrn)]
-    ray.get([e.get_stats.remote() for e in placed.engines] + [r.ready.remote() for r in placed.learners],
-            timeout=READY_TIMEOUT_S)
+    placed.get([e.get_stats.remote() for e in placed.engines] + [r.ready.remote() for r in placed.learners],
+               f"start of {n_eng} engine(s) and {n_lrn} learner rank(s)", p.start_timeout_s)
     _join_weight_group(placed, *_endpoint(cfg, pg, n_eng))
     log.info("placed %d engine(s) and %d learner rank(s)", n_eng, n_lrn)
     return placed
 
 
 def _join_weight_group(placed: Placed, host: str, port: int) -> None:
-    import ray
-
     cfg = placed.cfg
     tp = cfg.rollout.engine.tp_size
     world = 1 + tp * len(placed.engines)
     backend = dist_backend(learner_device(cfg), cfg.weight_sync.backend)
-    joins = [e.join_weight_group.remote(host, port, world, 1 + i * tp, WEIGHT_GROUP, backend)
+    name = weight_group_name(placed.group_generation)
+    joins = [e.join_weight_group.remote(host, port, world, 1 + i * tp, name, backend)
              for i, e in enumerate(placed.engines)]
-    ray.get(placed.learners[0].open_weight_group.remote(host, port, world))
-    ray.get(joins, timeout=cfg.weight_sync.timeout_s)
+    timeout = cfg.weight_sync.timeout_s
+    placed.get(placed.learners[0].open_weight_group.remote(host, port, world, name), f"open {name}", timeout)
+    placed.get(joins, f"engines joining {name}", timeout)

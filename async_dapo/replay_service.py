@@ -4,19 +4,36 @@ It owns three things and keeps them apart: the zmq receiver (transport), the pol
 dynamic sampling), and the prompt cursor (which prompt comes next). Producers call ``admit`` over Ray and
 wait on a condition — no busy loop — until the staleness bound lets them start more prompts; the learner
 calls ``get_batch`` and waits the same way; ``set_version`` wakes both.
+
+Accounting (nothing is lost): every admitted prompt holds a :class:`Ticket` until its group arrives. A
+ticket ends in exactly one of three ways, and each one is counted:
+
+* its group arrives → the policy accepts it (later trained, or dropped as stale/capacity) or drops it
+  (all-correct, all-wrong, stale) — the ``queue/*`` counters;
+* the producer reports it failed (engine error, scoring exception, oversized or unsendable message,
+  aborted or timed-out request) → :meth:`abandon`;
+* nobody reports for ``replay.ticket_ttl_s``, or its rollout actor died → expired / released.
+
+An abandoned, expired or released ticket gives its admission slot back and its prompt back to the cursor
+(re-issued first), and is counted in ``abandoned/<reason>``. A group that arrives for a ticket that is no
+longer outstanding (expired, released, or from another run) is dropped and counted
+(``rejected_unexpected``): the prompt was already given back, so it must not be trained twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from async_dapo.config import Config
 from async_dapo.data import PromptCursor, train_rows
-from async_dapo.replay import ReplayPolicy
-from async_dapo.transport import GroupReceiver
+from async_dapo.replay import ACCEPTED, ReplayPolicy
+from async_dapo.transport import GroupReceiver, new_secret
 from async_dapo.wire import Group
 
 log = logging.getLogger(__name__)
@@ -32,8 +49,23 @@ class _Version:
         return self.value
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """One admitted prompt: what the producer was given and what the queue needs to account for it."""
+
+    group_id: str  # unique per admission: a re-issued prompt gets a new id, so a late group is recognised
+    epoch: int
+    index: int
+    version: int  # the engines' version at admission
+    engine_rank: int
+    admitted_at: float  # time.monotonic() in the queue's process
+
+    def wire(self) -> tuple[str, int, int, int]:
+        return self.group_id, self.epoch, self.index, self.version
+
+
 class ReplayService:
-    """Async actor body: ``admit`` / group arrival / ``get_batch`` / ``set_version``."""
+    """Async actor body: ``admit`` / group arrival / ``get_batch`` / ``set_version`` / ``abandon``."""
 
     def __init__(self, cfg: Config, initial_version: int = 0) -> None:
         self.cfg = cfg
@@ -45,12 +77,22 @@ class ReplayService:
         )
         self.cursor = PromptCursor(len(train_rows(cfg)), seed=cfg.data.shuffle_seed)
         t = cfg.transport
-        self.receiver = GroupReceiver(t.bind_host, t.port, max_message_bytes=t.max_message_bytes)
+        # Per run, handed to producers over Ray only: a sender without it is counted, never heard.
+        self.secret = new_secret()
+        self.receiver = GroupReceiver(t.bind_host, t.port, max_message_bytes=t.max_message_bytes,
+                                      secret=self.secret)
         self._changed: asyncio.Condition | None = None
         self._receiving: asyncio.Task | None = None
-        self.outstanding: dict[tuple[int, int], int] = {}  # ticket -> admitted version, until it arrives
+        self.tickets: dict[str, Ticket] = {}
+        # engine rank -> the incarnation (one actor process) whose admissions count; a dead actor's admit
+        # call that was still waiting must not take tickets nobody will produce.
+        self.producers: dict[int, str] = {}
+        self._serial = itertools.count()
+        self.abandoned: Counter[str] = Counter()
         self.wait_seconds = {"admit": 0.0, "batch": 0.0}
-        self.unexpected = 0  # valid groups for prompts this queue never admitted
+        self.unexpected = 0  # valid groups for tickets that are not outstanding
+        self.last_arrival = time.monotonic()
+        self._since_batch: Counter[str] = Counter()  # arrival outcomes since the last hand-out
 
     def _cond(self) -> asyncio.Condition:
         # Created lazily inside the actor's running event loop.
@@ -63,20 +105,49 @@ class ReplayService:
         async with self._cond():
             self._cond().notify_all()
 
+    # ------------------------------------------------------------------ arrivals
     async def _receive_forever(self) -> None:
         while True:
             group = await self.receiver.arecv(timeout_ms=1000)
-            if group is None:
-                continue
-            if self.outstanding.pop((group.epoch, group.prompt_index), None) is None:
-                # Not a prompt this queue admitted (e.g. sent by a producer of a previous run):
-                # counting it would break the admission arithmetic, so it is dropped and counted.
-                self.unexpected += 1
-                continue
-            outcome = self.policy.on_group(group)
-            if outcome != "accepted":
-                log.debug("group %s: %s", group.group_id, outcome)
+            self._expire(time.monotonic())
+            if group is not None:
+                self._arrive(group)
             await self._notify()
+
+    def _arrive(self, group: Group) -> None:
+        ticket = self.tickets.pop(group.group_id, None)
+        if ticket is None or (ticket.epoch, ticket.index) != (group.epoch, group.prompt_index):
+            # Its prompt was already given back (expired, released) or never admitted here: counting it
+            # would break the admission arithmetic and could train a prompt twice.
+            self.unexpected += 1
+            if ticket is not None:
+                self.tickets[ticket.group_id] = ticket
+            return
+        self.last_arrival = time.monotonic()
+        try:
+            outcome = self.policy.on_group(group)
+        except Exception as exc:  # one bad group must not end the receive task
+            log.error("group %s: %r", group.group_id, exc)
+            self.tickets[ticket.group_id] = ticket
+            self._abandon(ticket, "queue_error")
+            return
+        self._since_batch[outcome] += 1
+        if outcome != ACCEPTED:
+            log.debug("group %s: %s", group.group_id, outcome)
+
+    def _abandon(self, ticket: Ticket, reason: str) -> bool:
+        if self.tickets.pop(ticket.group_id, None) is None:
+            return False
+        self.policy.abandon(1)
+        self.cursor.give_back([(ticket.epoch, ticket.index)])
+        self.abandoned[reason] += 1
+        return True
+
+    def _expire(self, now: float) -> None:
+        ttl = self.cfg.replay.ticket_ttl_s
+        for ticket in [t for t in self.tickets.values() if now - t.admitted_at > ttl]:
+            log.warning("ticket %s (engine %d) expired after %.0f s", ticket.group_id, ticket.engine_rank, ttl)
+            self._abandon(ticket, "expired")
 
     # ------------------------------------------------------------------ API (Ray methods)
     async def address(self) -> str:
@@ -88,37 +159,90 @@ class ReplayService:
             return f"tcp://{ray.util.get_node_ip_address()}:{self.receiver.port}"
         return self.receiver.address
 
-    async def admit(self, engine_rank: int, max_prompts: int) -> list[tuple[int, int, int]]:
-        """Block until the admission rule allows at least one prompt; returns up to ``max_prompts``
-        tickets (epoch, prompt index, version at admission)."""
+    async def producer_secret(self) -> bytes:
+        """The run's message key (travels over Ray, never over the zmq socket)."""
+        return self.secret
+
+    async def register_producer(self, engine_rank: int, incarnation: str) -> None:
+        """From now on only ``incarnation`` admits prompts for ``engine_rank`` (a replacement registers)."""
+        self.producers[engine_rank] = incarnation
+
+    async def admit(self, engine_rank: int, max_prompts: int, wait_s: float = 5.0,
+                    incarnation: str | None = None) -> list[tuple[str, int, int, int]]:
+        """Wait up to ``wait_s`` until the admission rule allows at least one prompt; returns up to
+        ``max_prompts`` tickets (group id, epoch, prompt index, version at admission), or [] on expiry or
+        when ``incarnation`` is not (or no longer) the registered producer of ``engine_rank``."""
         t0 = time.perf_counter()
         async with self._cond():
-            await self._cond().wait_for(lambda: self.policy.capacity_to_admit() > 0)
+            try:
+                await asyncio.wait_for(self._cond().wait_for(lambda: self.policy.capacity_to_admit() > 0), wait_s)
+            except asyncio.TimeoutError:
+                return []
+            if incarnation is not None and self.producers.get(engine_rank) != incarnation:
+                return []
             n = min(max_prompts, self.policy.capacity_to_admit())
             self.policy.admit(n)
-        tickets = [(e, i, self.version.value) for e, i in self.cursor.take(n)]
-        self.outstanding.update({(e, i): v for e, i, v in tickets})
+        now = time.monotonic()
+        tickets = [Ticket(f"{e}-{i}-{next(self._serial)}", e, i, self.version.value, engine_rank, now)
+                   for e, i in self.cursor.take(n)]
+        self.tickets.update({t.group_id: t for t in tickets})
         self.wait_seconds["admit"] += time.perf_counter() - t0
-        return tickets
+        return [t.wire() for t in tickets]
 
-    async def get_batch(self, learner_version: int | None = None) -> list[Group]:
-        """Block until B fresh, mixed-outcome groups are queued; return them oldest first. Staleness is
-        judged against ``learner_version`` (the weights the batch will be trained on; default: the
-        engines' version)."""
+    async def abandon(self, group_id: str, reason: str) -> bool:
+        """A producer will never send this ticket's group: free its slot, give its prompt back, count it.
+        False if the ticket was no longer outstanding (already expired or released)."""
+        ticket = self.tickets.get(group_id)
+        done = ticket is not None and self._abandon(ticket, reason)
+        await self._notify()
+        return done
+
+    async def release_engine(self, engine_rank: int, reason: str) -> int:
+        """Abandon every outstanding ticket of one rollout actor (it died or was replaced)."""
+        self.producers.pop(engine_rank, None)
+        mine = [t for t in self.tickets.values() if t.engine_rank == engine_rank]
+        for ticket in mine:
+            self._abandon(ticket, reason)
+        await self._notify()
+        return len(mine)
+
+    async def get_batch(self, learner_version: int | None = None, wait_s: float = 5.0) -> dict[str, Any]:
+        """Wait up to ``wait_s`` for B fresh, mixed-outcome groups. Returns ``{"batch": [...]}`` or
+        ``{"batch": None, "problem": str | None, "silent_s": float}``; ``problem`` says why no batch can
+        come (dynamic sampling gave up, the receive task died). Staleness is judged against
+        ``learner_version`` (the weights the batch will be trained on; default: the engines')."""
         t0 = time.perf_counter()
+        batch: list[Group] = []
+
+        def ready() -> bool:
+            got = self.policy.take_batch(learner_version)
+            batch.extend(got or [])
+            return got is not None
+
         async with self._cond():
-            batch: list[Group] = []
-
-            def ready() -> bool:
-                got = self.policy.take_batch(learner_version)
-                if got is not None:
-                    batch.extend(got)
-                return got is not None
-
-            await self._cond().wait_for(ready)
+            try:
+                await asyncio.wait_for(self._cond().wait_for(ready), wait_s)
+            except asyncio.TimeoutError:
+                pass
             self._cond().notify_all()  # stale drops inside take_batch may free admission slots
         self.wait_seconds["batch"] += time.perf_counter() - t0
-        return batch
+        if batch:
+            self._since_batch.clear()
+            return {"batch": batch}
+        return {"batch": None, "problem": self._problem(), "silent_s": time.monotonic() - self.last_arrival}
+
+    def _problem(self) -> str | None:
+        if self._receiving is not None and self._receiving.done():
+            exc = None if self._receiving.cancelled() else self._receiving.exception()
+            return f"the replay queue's receive task ended: {exc!r}"
+        b, rounds = self.cfg.algorithm.train_batch_groups, self.cfg.algorithm.dynamic_sampling.max_gen_rounds
+        got = sum(self._since_batch.values())
+        if got < rounds * b:
+            return None
+        parts = ", ".join(f"{self._since_batch[k] / got:.0%} {k.removeprefix('dropped_').replace('_', '-')}"
+                          for k in ("dropped_all_correct", "dropped_all_wrong", "dropped_stale"))
+        return (f"{b} groups needed, {self._since_batch[ACCEPTED]} mixed in {got // b} rounds ({got} groups): "
+                f"{parts} (algorithm.dynamic_sampling.max_gen_rounds = {rounds})")
 
     async def set_version(self, version: int) -> None:
         """The engines now run ``version``: advance, which widens admission and may make groups stale."""
@@ -127,16 +251,18 @@ class ReplayService:
 
     async def stats(self) -> dict[str, Any]:
         wire = {k: v for k, v in self.receiver.counters.items() if k.startswith("rejected_")}
-        return {**self.policy.stats.snapshot(), **wire,
-                "rejected_unexpected": self.unexpected, "version": self.version.value, "wait_admit_s": self.wait_seconds["admit"],
-                "wait_batch_s": self.wait_seconds["batch"]}
+        return {**self.policy.stats.snapshot(), **wire, **{f"abandoned/{k}": v for k, v in self.abandoned.items()},
+                "rejected_unexpected": self.unexpected, "version": self.version.value,
+                "admission_limit": self.policy.admission_limit(), "capacity_to_admit": self.policy.capacity_to_admit(),
+                "wait_admit_s": self.wait_seconds["admit"], "wait_batch_s": self.wait_seconds["batch"],
+                "silent_s": time.monotonic() - self.last_arrival}
 
     async def state_dict(self) -> dict[str, Any]:
         """Checkpointable state: the cursor with every admitted-but-untrained prompt given back."""
         queued = [(g.epoch, g.prompt_index) for g in self.policy.queued()]
         cur = PromptCursor(self.cursor.num_rows, self.cursor.seed)
         cur.load_state_dict(self.cursor.state_dict())
-        cur.give_back(list(self.outstanding) + queued)
+        cur.give_back([(t.epoch, t.index) for t in self.tickets.values()] + queued)
         return {"cursor": cur.state_dict(), "version": self.version.value}
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -12,14 +12,20 @@ The deliberate differences from verl are listed in docs/algorithm.md.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
     "INVALID_PRED",
     "RewardResult",
     "dapo_math_score",
+    "builtin_score",
     "last_boxed_content",
+    "load_score_fn",
     "normalize_final_answer",
     "overlong_penalty",
 ]
@@ -191,3 +197,43 @@ def overlong_penalty(
     if response_length >= max_response_length:
         return -float(penalty_factor)
     return (start - response_length) / buffer_length * penalty_factor
+
+
+# ------------------------------------------------------------------------------ user reward functions
+ScoreFn = Callable[[str, str, str, dict], RewardResult]
+
+
+def builtin_score(data_source: str, solution: str, ground_truth: str, extra_info: dict) -> RewardResult:
+    """The default scorer: :func:`dapo_math_score` (the data source does not matter)."""
+    return dapo_math_score(solution, ground_truth)
+
+
+def load_score_fn(spec: str | None) -> ScoreFn:
+    """``reward.custom_function`` ('path/file.py:name' or 'package.module:name', verl's
+    custom_reward_function) as a scorer returning :class:`RewardResult`; None = :func:`builtin_score`.
+    Raises ValueError naming the spec when the file, module or function cannot be loaded."""
+    if spec is None:
+        return builtin_score
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            loader = importlib.util.spec_from_file_location(f"async_dapo_user_reward_{abs(hash(target))}", target)
+            if loader is None or loader.loader is None:
+                raise FileNotFoundError(target)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        fn = getattr(module, name)
+    except Exception as exc:
+        raise ValueError(f"reward.custom_function: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
+    return functools.partial(_call_user_fn, fn)
+
+
+def _call_user_fn(fn, data_source: str, solution: str, ground_truth: str, extra_info: dict) -> RewardResult:
+    out = fn(data_source, solution, ground_truth, extra_info)
+    if isinstance(out, dict):
+        score = float(out["score"])
+        return RewardResult(score=score, acc=bool(out.get("acc", score > 0)), pred=str(out.get("pred", "")))
+    score = float(out)
+    return RewardResult(score=score, acc=score > 0, pred="")

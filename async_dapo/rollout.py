@@ -19,15 +19,24 @@ Weight updates, three modes (``rollout.update_mode``), all exact about per-token
 * ``abort``: abort running requests, load, resample the aborted ones from scratch.
 Every load is wrapped in ``begin_weight_update``/``end_weight_update`` (SGLang 0.5.23 refuses otherwise);
 a refused load raises here, and the caller fails the sender rather than leaving it hanging.
+
+Failures never lose a prompt: a group whose sampling, scoring, encoding or sending fails (engine error,
+exception in the reward function, oversized or unsendable message, request aborted by the engine more than
+``rollout.max_abort_retries`` times, or unanswered for ``rollout.request_timeout_s``) is reported to the
+replay queue with :meth:`~async_dapo.replay_service.ReplayService.abandon` and a reason; the queue frees
+its admission slot and gives the prompt back to the cursor. ``health`` is the supervisor's heartbeat: one
+1-token request through the engine, and the state of the producer task.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,15 +44,34 @@ import numpy as np
 
 from async_dapo.config import Config
 from async_dapo.data import PromptRow, train_rows
-from async_dapo.device import pin_threads, resolve_device
-from async_dapo.reward import dapo_math_score, overlong_penalty
-from async_dapo.wire import Group, Sample
+from async_dapo.device import pin_threads, resolve_device, seed_everything
+from async_dapo.reward import load_score_fn, overlong_penalty
+from async_dapo.wire import Group, OversizedMessage, Sample
 
 log = logging.getLogger(__name__)
 
 
 class WeightUpdateError(RuntimeError):
     """SGLang refused a weight update (the message says why)."""
+
+
+class GroupFailed(RuntimeError):
+    """A group cannot be completed; ``reason`` is the ``queue/abandoned/<reason>`` it is counted under."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The abandon reason of an exception raised while producing one group."""
+    if isinstance(exc, GroupFailed):
+        return exc.reason
+    if isinstance(exc, OversizedMessage):
+        return "oversized"
+    if isinstance(exc, TimeoutError):
+        return "send_timeout"
+    return "engine_error"
 
 
 def token_versions(spans: list[dict] | None, length: int, fallback: int) -> np.ndarray:
@@ -65,6 +93,7 @@ class _Stats:
     samples: int = 0
     gen_tokens: int = 0
     resampled: int = 0
+    failed_groups: int = 0
     updates: int = 0
     update_seconds: float = 0.0
     idle_seconds: float = 0.0  # time the producer waited for admission with nothing in flight
@@ -85,6 +114,12 @@ class _Session:
         self.weights_ready.set()
         self.inflight: set[asyncio.Task] = set()
         self.sender = None
+        self.queue = None
+        self.score_fn = load_score_fn(cfg.reward.custom_function)
+        self.updates_started = 0  # a request aborted while this moved was aborted by our own update
+        self.update_started_at: float | None = None  # monotonic time of the running update, if any
+        # zmq sockets are not thread-safe and a send may block on the high-water mark: one sender thread.
+        self._send_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="group-send")
 
     # ------------------------------------------------------------------ sampling
     def _sampling_params(self) -> dict[str, Any]:
@@ -92,30 +127,50 @@ class _Session:
         return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                 "max_new_tokens": r.max_response_length}
 
-    async def sample_once(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
-        """One completion; resampled from scratch if an abort-mode update aborted it."""
+    async def _request(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """One engine request, bounded by ``rollout.request_timeout_s`` (aborted on expiry)."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
+        rid = uuid.uuid4().hex
+        obj = GenerateReqInput(input_ids=list(prompt_ids), sampling_params=dict(params), return_logprob=True, rid=rid)
+        timeout = self.cfg.rollout.request_timeout_s
+        try:
+            return await asyncio.wait_for(self.tm.generate_request(obj, None).__anext__(), timeout)
+        except asyncio.TimeoutError:
+            self.tm.abort_request(rid)
+            raise GroupFailed("timeout", f"no result from the engine in {timeout:.0f} s "
+                              "(rollout.request_timeout_s)") from None
+
+    async def sample_once(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """One completion; resampled from scratch if an abort-mode update aborted it. An abort we did not
+        cause (e.g. the engine refused the request) is retried ``rollout.max_abort_retries`` times."""
+        foreign_aborts = 0
         while True:
             await self.weights_ready.wait()
-            start_version = self.version
-            obj = GenerateReqInput(input_ids=list(prompt_ids), sampling_params=dict(params),
-                                   return_logprob=True, rid=uuid.uuid4().hex)
+            start_version, updates = self.version, self.updates_started
             t0 = time.perf_counter()
-            out = await self.tm.generate_request(obj, None).__anext__()
+            out = await self._request(prompt_ids, params)
             finish = (out["meta_info"].get("finish_reason") or {}).get("type")
             if finish != "abort":
                 out["_start_version"] = start_version
                 out["_seconds"] = time.perf_counter() - t0
                 return out
             self.stats.resampled += 1
+            if updates == self.updates_started:
+                foreign_aborts += 1
+                if foreign_aborts > self.cfg.rollout.max_abort_retries:
+                    raise GroupFailed("aborted", f"the engine aborted the request {foreign_aborts} times: "
+                                      f"{out['meta_info'].get('finish_reason')}")
 
     def _score(self, row: PromptRow, out: dict[str, Any]) -> Sample:
         meta = out["meta_info"]
         ids = np.asarray(out["output_ids"], dtype=np.int32)
         logprobs = np.asarray([lp for lp, *_ in meta["output_token_logprobs"]], dtype=np.float32)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        result = dapo_math_score(text, row.ground_truth)
+        try:
+            result = self.score_fn(row.data_source, text, row.ground_truth, row.extra_info)
+        except Exception as exc:
+            raise GroupFailed("score_error", f"reward function raised {exc!r}") from exc
         rw = self.cfg.reward
         penalty = (overlong_penalty(len(ids), self.cfg.rollout.max_response_length,
                                     rw.overlong_buffer_length, rw.overlong_penalty_factor)
@@ -128,19 +183,29 @@ class _Session:
             truncated=finish == "length", finish_reason=finish, gen_seconds=out["_seconds"],
         )
 
-    async def sample_group(self, epoch: int, index: int, admitted_version: int) -> Group:
+    def _fit(self, prompt: list[int], index: int) -> list[int]:
+        """data.truncation: 'left' keeps the last max_prompt_length tokens; 'error' rows were rejected at
+        load, so a longer prompt here means the rows changed under us."""
+        limit = self.cfg.data.max_prompt_length
+        if len(prompt) <= limit:
+            return prompt
+        if self.cfg.data.truncation == "left":
+            return prompt[-limit:]
+        raise GroupFailed("prompt_too_long", f"prompt {index}: {len(prompt)} tokens > data.max_prompt_length {limit}")
+
+    async def sample_group(self, group_id: str, epoch: int, index: int, admitted_version: int) -> Group:
         """G scored samples of prompt ``index`` as one group."""
         from async_dapo.bootstrap import encode_prompt
 
         row = self.rows[index]
-        prompt = encode_prompt(self.tokenizer, row)
+        prompt = self._fit(encode_prompt(self.tokenizer, row), index)
         params = self._sampling_params()
         outs = await asyncio.gather(*[self.sample_once(prompt, params) for _ in range(self.cfg.rollout.n)])
         samples = tuple(self._score(row, o) for o in outs)
         self.stats.samples += len(samples)
         self.stats.gen_tokens += sum(len(s.response_ids) for s in samples)
         return Group(
-            group_id=f"{epoch}-{index}-{uuid.uuid4().hex[:8]}", prompt_index=index, epoch=epoch,
+            group_id=group_id, prompt_index=index, epoch=epoch,
             engine_rank=self.rank, prompt_ids=np.asarray(prompt, dtype=np.int32),
             ground_truth=row.ground_truth, data_source=row.data_source, samples=samples,
             created_at=time.time(), admitted_version=admitted_version,
@@ -155,20 +220,33 @@ class _Session:
         from async_dapo.evaluate import val_metrics
 
         version = self.version
-        prompts = [encode_prompt(self.tokenizer, r) for r in rows]
+        prompts = [self._fit(encode_prompt(self.tokenizer, r), i) for i, r in enumerate(rows)]
         outs = await self.generate([p for p in prompts for _ in range(k)], params)
         texts = [[self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs[i * k:(i + 1) * k]]
                  for i in range(len(rows))]
         return {**val_metrics(texts, rows), "val/version": float(version)}
 
     # ------------------------------------------------------------------ producer
-    async def _emit(self, epoch: int, index: int, version: int) -> None:
-        group = await self.sample_group(epoch, index, version)
-        self.sender.send(group)
-        self.stats.groups_sent += 1
+    async def _emit(self, group_id: str, epoch: int, index: int, version: int) -> None:
+        try:
+            group = await self.sample_group(group_id, epoch, index, version)
+            timeout_ms = int(self.cfg.rollout.request_timeout_s * 1000)
+            await asyncio.get_running_loop().run_in_executor(
+                self._send_pool, lambda: self.sender.send(group, timeout_ms=timeout_ms))
+            self.stats.groups_sent += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.failed_groups += 1
+            reason = failure_reason(exc)
+            log.warning("group %s abandoned (%s): %r", group_id, reason, exc)
+            await self.queue.abandon.remote(group_id, reason)
 
     async def produce(self, queue) -> None:
         """Admit prompts while the queue allows, keep up to max_inflight_prompts groups running."""
+        self.queue = queue
+        incarnation = uuid.uuid4().hex  # this process: a replacement of the same rank registers anew
+        await queue.register_producer.remote(self.rank, incarnation)
         cap = self.cfg.rollout.max_inflight_prompts
         while True:
             await self.admitting.wait()
@@ -176,18 +254,25 @@ class _Session:
                 await asyncio.wait(self.inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
             t0 = time.perf_counter()
-            tickets = await queue.admit.remote(self.rank, cap - len(self.inflight))
+            # [] after a bounded wait: the loop stays responsive to cancellation and updates
+            tickets = await queue.admit.remote(self.rank, cap - len(self.inflight), 5.0, incarnation)
             if not self.inflight:
                 self.stats.idle_seconds += time.perf_counter() - t0
-            for epoch, index, version in tickets:
-                task = asyncio.ensure_future(self._emit(epoch, index, version))
+            for group_id, epoch, index, version in tickets:
+                task = asyncio.ensure_future(self._emit(group_id, epoch, index, version))
                 self.inflight.add(task)
-                task.add_done_callback(self._done)
+                task.add_done_callback(self.inflight.discard)
 
-    def _done(self, task: asyncio.Task) -> None:
-        self.inflight.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("group failed: %r", task.exception())
+    async def probe(self) -> None:
+        """Heartbeat: one 1-token request through the whole engine (slime's /health_generate). While a
+        weight update holds requests back the scheduler is legitimately busy loading; the engine then
+        counts as hung only once the update has run past weight_sync.timeout_s, its own bound."""
+        if self.update_started_at is not None:
+            age = time.monotonic() - self.update_started_at
+            if age > self.cfg.weight_sync.timeout_s:
+                raise RuntimeError(f"weight update stuck for {age:.0f} s (weight_sync.timeout_s)")
+            return
+        await self._request([self.tokenizer.eos_token_id or 0], {"max_new_tokens": 1, "temperature": 0.0})
 
     # ------------------------------------------------------------------ weights
     async def join(self, obj) -> None:
@@ -195,13 +280,23 @@ class _Session:
         if not ok:
             raise WeightUpdateError(f"init_weights_update_group refused: {msg}")
 
-    async def _until_idle(self, timeout_s: float = 3600.0) -> None:
+    async def leave(self, group_name: str) -> None:
+        """Destroy our side of a weight-update group (before joining its successor)."""
+        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
+
+        ok, msg = await self.tm.destroy_weights_update_group(DestroyWeightsUpdateGroupReqInput(group_name=group_name))
+        if not ok:
+            log.warning("destroy_weights_update_group(%s): %s", group_name, msg)
+
+    async def _until_idle(self) -> None:
         """Wait until the engine has no running request (drain mode). SGLang offers no completion event
         for "all requests done", so this polls its request table every 10 ms."""
+        timeout_s = self.cfg.rollout.drain_timeout_s
         deadline = time.monotonic() + timeout_s
         while self.tm.rid_to_state:
             if time.monotonic() > deadline:
-                raise TimeoutError("drain: requests still running after the timeout")
+                raise TimeoutError(f"drain: {len(self.tm.rid_to_state)} requests still running after "
+                                   f"{timeout_s:.0f} s (rollout.drain_timeout_s)")
             await asyncio.sleep(0.01)
 
     async def _load(self, buckets, group_name: str, version: int) -> None:
@@ -234,6 +329,8 @@ class _Session:
         t0 = time.perf_counter()
         # New requests (and aborted ones, which resample) wait for the new weights.
         self.weights_ready.clear()
+        self.updates_started += 1
+        self.update_started_at = time.monotonic()
         if mode == "drain":
             self.admitting.clear()
             await self._until_idle()
@@ -247,6 +344,7 @@ class _Session:
                 await self.tm.continue_generation(ContinueGenerationReqInput())
             self.weights_ready.set()
             self.admitting.set()
+            self.update_started_at = None
         seconds = time.perf_counter() - t0
         self.stats.updates += 1
         self.stats.update_seconds += seconds
@@ -262,13 +360,15 @@ class RolloutWorker:
         from async_dapo.engine import start_engine
 
         pin_threads(1)
+        seed_everything(cfg.logging.seed + 1000 + engine_rank)
         ec = cfg.rollout.engine.model_copy(
             update={"extra_args": {"weight_version": str(initial_version), **cfg.rollout.engine.extra_args}}
         )
-        self.engine = start_engine(ec, cfg.model.path)
+        self.engine = start_engine(ec, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.loop: asyncio.AbstractEventLoop = self.engine.loop
-        self.session = _Session(cfg, engine_rank, initial_version, AutoTokenizer.from_pretrained(cfg.model.path),
-                                train_rows(cfg), self.engine.tokenizer_manager)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        self.session = _Session(cfg, engine_rank, initial_version, tokenizer, train_rows(cfg),
+                                self.engine.tokenizer_manager)
         self._thread = threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True)
         self._thread.start()
         self._producer = None
@@ -277,12 +377,28 @@ class RolloutWorker:
         """Run ``coro`` on the engine loop from any thread and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def start(self, queue, address: str) -> None:
-        """Connect to the queue's zmq address and start producing groups."""
+    def start(self, queue, address: str, secret: bytes) -> None:
+        """Connect to the queue's zmq address (messages signed with the run's ``secret``) and start
+        producing groups."""
         from async_dapo.transport import GroupSender
 
-        self.session.sender = GroupSender(address)
+        self.session.sender = GroupSender(address, secret=secret,
+                                          max_message_bytes=self.session.cfg.transport.max_message_bytes)
         self._producer = asyncio.run_coroutine_threadsafe(self.session.produce(queue), self.loop)
+
+    def health(self, timeout_s: float) -> dict[str, float]:
+        """Raise if the producer task ended or the engine does not finish a 1-token request in ``timeout_s``;
+        else return the stats."""
+        if self._producer is not None and self._producer.done():
+            raise RuntimeError(f"engine {self.session.rank}: producer ended: {self._producer.exception()!r}")
+        try:
+            self._call(self.session.probe(), timeout_s)
+        except TimeoutError:  # concurrent.futures' timeout is this builtin since Python 3.11
+            raise RuntimeError(f"no answer to a 1-token request in {timeout_s:.0f} s (hung)") from None
+        return self.get_stats()
+
+    def leave_weight_group(self, group_name: str) -> None:
+        self._call(self.session.leave(group_name), 60)
 
     def join_weight_group(self, master_addr: str, master_port: int, world_size: int, rank_offset: int,
                           group_name: str, backend: str) -> None:
@@ -290,7 +406,7 @@ class RolloutWorker:
 
         self._call(self.session.join(InitWeightsUpdateGroupReqInput(
             master_address=master_addr, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend)))
+            world_size=world_size, group_name=group_name, backend=backend)), self.session.cfg.weight_sync.timeout_s)
 
     def update_weights(self, buckets: list, group_name: str, version: int, mode: str | None = None) -> float:
         """Receive one pushed version — ``buckets`` (weight_sync.Bucket) describe the flat broadcasts the
@@ -299,15 +415,16 @@ class RolloutWorker:
         mode = mode or self.session.cfg.rollout.update_mode
         if mode not in ("inflight", "drain", "abort"):
             raise ValueError(f"mode: unknown update mode {mode!r}")
-        return self._call(self.session.update(buckets, group_name, version, mode))
+        return self._call(self.session.update(buckets, group_name, version, mode),
+                          self.session.cfg.weight_sync.timeout_s + self.session.cfg.rollout.drain_timeout_s)
 
     def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         """Plain sampling for validation and tests (not admitted through the queue)."""
-        return self._call(self.session.generate(prompts, params))
+        return self._call(self.session.generate(prompts, params), self.session.cfg.logging.val_timeout_s)
 
     def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, float]:
         """Held-out avg@k / pass@k / maj@k with the validation sampling parameters."""
-        return self._call(self.session.validate(rows, k, params))
+        return self._call(self.session.validate(rows, k, params), self.session.cfg.logging.val_timeout_s)
 
     def num_running_requests(self) -> int:
         """Requests the engine is working on right now (tests use it to update mid-generation)."""
@@ -315,7 +432,7 @@ class RolloutWorker:
 
     def get_stats(self) -> dict[str, float]:
         s = self.session.stats
-        return {**s.__dict__, "version": self.session.version, "inflight": len(self.session.inflight),
+        return {**s.__dict__, "version": self.session.version, "inflight": len(self.session.inflight), "pid": os.getpid(),
                 "wall_seconds": time.time() - s.started_at}
 
     def shutdown(self) -> None:
@@ -323,6 +440,7 @@ class RolloutWorker:
             self._producer.cancel()
         for task in list(self.session.inflight):
             self.loop.call_soon_threadsafe(task.cancel)
+        self.session._send_pool.shutdown(wait=False, cancel_futures=True)
         if self.session.sender is not None:
             self.session.sender.close()
         self.loop.call_soon_threadsafe(self.loop.stop)

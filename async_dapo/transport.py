@@ -18,15 +18,41 @@ Why PUSH/PULL (and not DEALER/ROUTER):
     or cut off by a peer disconnect, are lost. The queue tolerates that (a lost group is a prompt
     that is never trained on, and admission counts running prompts through Ray, not the wire).
 
+Authentication (only the run's own producers are heard):
+  - The replay queue creates a per-run secret with ``new_secret()`` and hands it to the rollout
+    actors over Ray (the control plane); it never travels over the zmq socket. With a secret, every
+    message is ONE frame: a 32-byte tag ``HMAC-SHA256(secret, payload)`` followed by the payload
+    (the msgpack bytes of ``async_dapo.wire``).
+  - A receiver with a secret checks the tag (``hmac.compare_digest``) before it parses a single
+    byte of msgpack, so a foreign sender -- even one that sends well-formed groups -- reaches only
+    the HMAC and is counted as ``rejected_auth``; so is a frame signed with another run's secret
+    or tampered with in flight.
+  - ``secret=None`` on both ends keeps the unsigned format (unit tests, back-compat). Both ends
+    must agree: a signed frame at an unsigned receiver is not msgpack, and vice versa.
+  - This authenticates, it does not encrypt, and there is no replay protection: someone who can
+    read the run's traffic can re-send a captured frame (it can only repeat a group this run
+    produced, but the queue does not deduplicate group ids). HMAC stops foreign and tampered
+    input; keep the socket on a trusted network for the rest.
+
 Limits on hostile or broken input (the receiver never raises on bad input):
-  - Messages larger than ``max_message_bytes`` but at most the hard cap are received, dropped
-    before unpacking and counted as ``rejected_oversized``.
+  - Each message is checked in this order and counted under the first reason that applies
+    (``GroupReceiver.counters``): frame count (multipart -> ``rejected_malformed``), size
+    (``rejected_oversized``), HMAC tag (``rejected_auth``), then msgpack/schema
+    (``rejected_malformed`` / ``rejected_schema``); a valid group counts as ``received``.
+  - Payloads larger than ``max_message_bytes`` but within the hard cap are received, dropped
+    before the HMAC or unpacking and counted as ``rejected_oversized``. A sender given
+    ``max_message_bytes`` raises ``OversizedMessage`` instead of sending such a group, so the
+    caller can account for it rather than have it vanish at the receiver.
   - The hard cap (zmq ``MAXMSGSIZE``, default ``max(2 * max_message_bytes, max_message_bytes +
-    1 MiB)``) bounds memory: zmq refuses to read a larger message and disconnects that peer. That
-    message (and anything else in flight on that connection) is lost and is NOT counted, because
-    zmq reports it to no socket call; the sender reconnects by itself and later messages flow again.
-  - Multipart messages, bytes that are not msgpack, foreign schemas/versions and any schema
-    violation are dropped and counted (see ``GroupReceiver.counters``).
+    1 MiB)``, plus the 32 tag bytes with a secret) bounds memory: zmq refuses to read a larger
+    message and disconnects that peer. That message (and anything else in flight on that
+    connection) is lost and is NOT counted, because zmq reports it to no socket call; the sender
+    reconnects by itself and later messages flow again.
+  - Buffering is bounded by ``rcvhwm`` messages per connected peer (each at most the hard cap), so
+    a flood from a foreign sender costs CPU (one HMAC per frame) but not unbounded memory;
+    PULL fair-queues across peers, so the flood cannot starve the real producers.
+  - Inside msgpack, declared lengths are bounded by the message size (see ``async_dapo.wire``),
+    so a header claiming a 4-billion-element array fails at once instead of allocating.
   - The receiver binds 127.0.0.1 unless another host is configured explicitly.
 
 Sockets are not thread-safe: use one sender per thread/actor, and on a receiver use either
@@ -35,7 +61,10 @@ Sockets are not thread-safe: use one sender per thread/actor, and on a receiver 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -47,13 +76,36 @@ from async_dapo.wire import Group, OversizedMessage, SchemaMismatch, WireError, 
 if TYPE_CHECKING:
     from async_dapo.config import TransportConfig
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "GroupReceiver", "GroupSender"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "TAG_BYTES", "GroupReceiver", "GroupSender", "new_secret"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # same default as TransportConfig.max_message_bytes
 _HARD_CAP_HEADROOM = 1024 * 1024
-_COUNTER_NAMES = ("received", "rejected_malformed", "rejected_oversized", "rejected_schema")
+_COUNTER_NAMES = (
+    "received", "rejected_auth", "rejected_malformed", "rejected_oversized", "rejected_schema",
+)
+TAG_BYTES = hashlib.sha256().digest_size  # 32: the HMAC-SHA256 tag that leads a signed frame
+_MIN_SECRET_BYTES = 16  # a shorter key would be the weak link of HMAC-SHA256
+
+
+def new_secret() -> bytes:
+    """A fresh per-run secret; the replay queue makes one and hands it to producers over Ray."""
+    return secrets.token_bytes(32)
+
+
+def _check_secret(secret: bytes | None) -> bytes | None:
+    if secret is None:
+        return None
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"secret must be bytes, got {type(secret).__name__}")
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(f"secret must be at least {_MIN_SECRET_BYTES} bytes, got {len(secret)}")
+    return bytes(secret)
+
+
+def _tag(secret: bytes, payload: Any) -> bytes:
+    return hmac.digest(secret, payload, "sha256")
 
 
 def _tcp_endpoint(host: str, port: int | None = None) -> str:
@@ -75,17 +127,25 @@ class GroupSender:
 
     ``connect`` does not wait for the receiver: messages queue locally (up to ``hwm``) and flow
     once it is reachable. ``close`` waits at most ``linger_ms`` for unsent messages, then drops them.
+    With ``secret`` every message is signed (see the module docstring); with ``max_message_bytes``
+    ``send`` refuses a group whose encoding is larger, before anything is sent.
     """
 
     def __init__(
         self,
         address: str,
         *,
+        secret: bytes | None = None,
+        max_message_bytes: int | None = None,
         hwm: int = 1000,
         linger_ms: int = 1000,
         context: zmq.Context | None = None,
     ) -> None:
+        if max_message_bytes is not None and max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
         self.address = address
+        self.max_message_bytes = max_message_bytes
+        self._secret = _check_secret(secret)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
         try:
             self._sock.setsockopt(zmq.SNDHWM, hwm)
@@ -99,12 +159,27 @@ class GroupSender:
         """Encode and send one group; blocks while the high-water mark is reached (backpressure).
 
         With ``timeout_ms`` it raises ``TimeoutError`` if the group could not be queued in time
-        (the group is then not sent).
+        (the group is then not sent). Raises ``OversizedMessage`` (nothing sent) if the encoded
+        group exceeds ``max_message_bytes``: the receiver would only drop it.
         """
-        self.send_bytes(encode_group(group), timeout_ms=timeout_ms)
+        payload = encode_group(group)
+        limit = self.max_message_bytes
+        if limit is not None and len(payload) > limit:
+            raise OversizedMessage(
+                f"group {group.group_id!r}: {len(payload)} bytes > max_message_bytes {limit}, not sent"
+            )
+        self.send_bytes(payload, timeout_ms=timeout_ms)
 
-    def send_bytes(self, data: bytes, timeout_ms: int | None = None) -> None:
-        """Send one raw single-frame message (tests use this to inject malformed frames)."""
+    def send_bytes(self, data: bytes, timeout_ms: int | None = None, *, sign: bool = True) -> None:
+        """Send one raw single-frame message, signed if the sender has a secret and ``sign``.
+
+        No size check here: tests use this to inject malformed, oversized or unsigned frames.
+        """
+        if sign and self._secret is not None:
+            data = _tag(self._secret, data) + data  # one frame: the receiver rejects multipart
+        self._send_frame(data, timeout_ms)
+
+    def _send_frame(self, data: bytes, timeout_ms: int | None) -> None:
         if timeout_ms is None:
             self._sock.send(data, copy=False)
             return
@@ -140,17 +215,21 @@ class GroupReceiver:
         port: int = 0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         *,
+        secret: bytes | None = None,
         hard_cap_bytes: int | None = None,
         rcvhwm: int = 100,
         context: zmq.Context | None = None,
     ) -> None:
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
-        self.max_message_bytes = max_message_bytes
-        default_cap = max(2 * max_message_bytes, max_message_bytes + _HARD_CAP_HEADROOM)
+        self.max_message_bytes = max_message_bytes  # limit on the payload, tag not included
+        self._secret = _check_secret(secret)
+        # Frame bytes beyond the payload: a payload of exactly max_message_bytes must still fit.
+        self._overhead = TAG_BYTES if self._secret is not None else 0
+        default_cap = max(2 * max_message_bytes, max_message_bytes + _HARD_CAP_HEADROOM) + self._overhead
         self.hard_cap_bytes = hard_cap_bytes or default_cap
-        if self.hard_cap_bytes < max_message_bytes:
-            raise ValueError("hard_cap_bytes must be >= max_message_bytes")
+        if self.hard_cap_bytes < max_message_bytes + self._overhead:
+            raise ValueError("hard_cap_bytes must be >= max_message_bytes (+ the HMAC tag with a secret)")
         self._counts = dict.fromkeys(_COUNTER_NAMES, 0)
         self._warned: set[str] = set()
         self.last_error: str | None = None
@@ -190,6 +269,16 @@ class GroupReceiver:
             return self._reject("rejected_malformed", f"message: {len(frames)} frames, expected 1")
         frame = frames[0]
         data = frame.buffer if isinstance(frame, zmq.Frame) else frame
+        if len(data) > self.max_message_bytes + self._overhead:
+            # Before the HMAC: hashing a huge frame would be work done for the sender.
+            return self._reject(
+                "rejected_oversized", f"message: {len(data) - self._overhead} bytes > "
+                f"max_message_bytes {self.max_message_bytes}"
+            )
+        if self._secret is not None:
+            data = self._authenticated_payload(data)
+            if data is None:
+                return None
         try:
             group = decode_group(data, max_bytes=self.max_message_bytes)
         except OversizedMessage as exc:
@@ -203,6 +292,17 @@ class GroupReceiver:
             return self._reject("rejected_malformed", f"message: internal decode error {type(exc).__name__}")
         self._counts["received"] += 1
         return group
+
+    def _authenticated_payload(self, data: memoryview | bytes) -> memoryview | None:
+        """The payload behind a valid tag, else None (counted); no msgpack is parsed before this."""
+        view = memoryview(data)
+        if len(view) < TAG_BYTES:
+            return self._reject("rejected_auth", f"message: {len(view)} bytes, shorter than the HMAC tag")
+        payload = view[TAG_BYTES:]
+        # compare_digest: constant time, so a forger learns nothing from how fast we say no.
+        if not hmac.compare_digest(view[:TAG_BYTES], _tag(self._secret, payload)):
+            return self._reject("rejected_auth", "message: HMAC tag mismatch (unsigned, foreign or tampered)")
+        return payload
 
     def _reject(self, counter: str, reason: str) -> None:
         self._counts[counter] += 1

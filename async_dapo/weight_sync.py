@@ -65,12 +65,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def open_update_group(
-    master_addr: str, master_port: int, world_size: int, group_name: str, backend: str, timeout_s: float
+    master_addr: str, master_port: int, world_size: int, group_name: str, backend: str, timeout_s: float,
+    rank: int = 0,
 ):
-    """Rank 0 of the weight-update group. Blocks until every engine rank has joined (each engine calls
-    ``init_weights_update_group(..., rank_offset=1)`` concurrently)."""
+    """Rank 0 (the learner) of the weight-update group; blocks until every engine rank has joined (each
+    engine calls ``init_weights_update_group(..., rank_offset=1)`` concurrently), at most ``timeout_s``.
+    Tests open a receiving rank the same way (``rank`` > 0)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world = next(rendezvous(f"tcp://{master_addr}:{master_port}", 0, world_size, timeout=timeout))
+    store, rank, world = next(rendezvous(f"tcp://{master_addr}:{master_port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(
         world, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,

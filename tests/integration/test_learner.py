@@ -124,6 +124,38 @@ def test_dcp_resume_gives_bit_identical_next_step(ray_cluster, cfg, tmp_path):
     assert got["grad_norm"] == expected["grad_norm"] and got["version"] == 2.0
 
 
+# Runs before test_push_reaches_sglang_and_hf_export_reloads: that test starts an SGLang engine inside
+# the pytest process, whose leftover SIGQUIT/child watchdog then ends pytest when a later test's
+# subprocess exits. (The training path never starts an engine in the driver.)
+def test_push_sender_failure_unblocks_every_rank_and_raises(ray_cluster, cfg):
+    """The only receiver of the weight group (a process standing in for an engine) dies before a push: the
+    sender thread's broadcast fails. Both ranks still return from push_weights (rank 0 keeps gathering, so
+    rank 1 is not left waiting in the collective), and the next wait_push raises, naming the version,
+    within the weight group's timeout."""
+    import subprocess
+    import sys
+    import time
+
+    ray = ray_cluster
+    small = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(
+        update={"bucket_mb": 1, "timeout_s": 30})})
+    ranks = start_learners(ray, small, 2)
+    port = free_port()
+    opened = ranks[0].open_weight_group.remote("127.0.0.1", port, 2, "leaving")
+    peer = ("from async_dapo.weight_sync import open_update_group; import os; "
+            f"open_update_group('127.0.0.1', {port}, 2, 'leaving', 'gloo', 60, rank=1); os._exit(0)")
+    subprocess.run([sys.executable, "-c", peer], check=True, timeout=120)  # joins, then dies
+    ray.get(opened, timeout=60)
+    t0 = time.monotonic()
+    pushed = on_all(ray, ranks, "push_weights", [], None, 7)  # both ranks return: nobody is stuck
+    assert all(p["push_bytes"] > 1 << 20 for p in pushed)  # two or more buckets were gathered
+    with pytest.raises(ray.exceptions.RayTaskError, match="weight push of version 7 failed"):
+        ray.get(ranks[0].wait_push.remote(), timeout=180)
+    print(f"push failure surfaced after {time.monotonic() - t0:.1f} s")
+    assert time.monotonic() - t0 < 2 * 30 + 30  # bounded by weight_sync.timeout_s
+    stop(ray, ranks)
+
+
 def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,7 +173,7 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
     assert stats["version"] == 1.0 and stats["grad_norm"] > 0
     port = free_port()
     joined = engine.join_weight_group.remote("127.0.0.1", port, 2, 1, WEIGHT_GROUP, "gloo")
-    ray.get(learner.open_weight_group.remote("127.0.0.1", port, 2))
+    ray.get(learner.open_weight_group.remote("127.0.0.1", port, 2, WEIGHT_GROUP))
     ray.get(joined)
     ray.get(learner.push_weights.remote([engine], None))
     ray.get(learner.wait_push.remote())
@@ -176,3 +208,4 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
     finally:
         fresh.shutdown()
     assert all(len(s.output_ids) >= 1 for g in groups for s in g)
+

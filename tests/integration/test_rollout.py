@@ -74,9 +74,9 @@ def test_actor_streams_groups_into_queue(system, cfg):
     import ray
 
     queue, actor, _ = system
-    ray.get(actor.start.remote(queue, ray.get(queue.address.remote())))
-    batch = ray.get(queue.get_batch.remote(), timeout=600)
-    assert len(batch) == 4
+    ray.get(actor.start.remote(queue, ray.get(queue.address.remote()), ray.get(queue.producer_secret.remote())))
+    batch = ray.get(queue.get_batch.remote(None, 600), timeout=660)["batch"]
+    assert batch is not None and len(batch) == 4
     for g in batch:
         assert len(g.samples) == 4
         accs = [s.acc for s in g.samples]

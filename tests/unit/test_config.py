@@ -103,3 +103,158 @@ def test_shipped_configs_validate(name):
         assert gpus == 8
     if cfg.placement.engine_gpus:
         assert cfg.placement.engine_gpus == cfg.rollout.engine.tp_size
+
+
+# ----------------------------------------------------------------------------- cross-field rules
+# Each rule: overrides (on the defaults) that break only that rule, the dotted keys its one-line message
+# must name, and overrides at the rule's boundary that must load.
+RULES = {
+    "weight_sync_within_staleness": (
+        ["weight_sync.every_k_steps=3", "replay.max_staleness=1"],
+        ["weight_sync.every_k_steps", "replay.max_staleness", "(3)", "(2)"],
+        ["weight_sync.every_k_steps=2", "replay.max_staleness=1"],
+    ),
+    "dynamic_sampling_needs_groups": (
+        ["rollout.n=1"],
+        ["rollout.n", "algorithm.dynamic_sampling.enable"],
+        ["rollout.n=1", "algorithm.dynamic_sampling.enable=false"],
+    ),
+    "capacity_holds_eta_plus_one_batches": (
+        ["replay.capacity_groups=47", "replay.max_staleness=2", "algorithm.train_batch_groups=16"],
+        ["replay.capacity_groups", "replay.max_staleness", "algorithm.train_batch_groups", "(47)", "= 48"],
+        ["replay.capacity_groups=48", "replay.max_staleness=2", "algorithm.train_batch_groups=16"],
+    ),
+    "cuda_engine_gpus_equal_tp": (
+        ["rollout.engine.device=cuda", "rollout.engine.tp_size=2", "placement.engine_gpus=1"],
+        ["placement.engine_gpus", "rollout.engine.tp_size", "rollout.engine.device", "(1)", "(2)"],
+        ["rollout.engine.device=cuda", "rollout.engine.tp_size=2", "placement.engine_gpus=2"],
+    ),
+    "cuda_engine_needs_gpus": (
+        ["rollout.engine.device=cuda"],
+        ["placement.engine_gpus", "rollout.engine.tp_size", "rollout.engine.device"],
+        ["rollout.engine.device=cuda", "placement.engine_gpus=1"],
+    ),
+    "cpu_engine_no_gpus": (
+        ["rollout.engine.device=cpu", "placement.engine_gpus=1"],
+        ["rollout.engine.device", "placement.engine_gpus", "rollout.engine.tp_size"],
+        ["rollout.engine.device=cpu", "placement.engine_gpus=0"],
+    ),
+    "cpu_engine_no_tp": (
+        ["rollout.engine.device=cpu", "rollout.engine.tp_size=2"],
+        ["rollout.engine.device", "placement.engine_gpus", "rollout.engine.tp_size", "(got 2)"],
+        ["rollout.engine.device=cpu", "rollout.engine.tp_size=1"],
+    ),
+    "auto_engine_gpus_zero_or_tp": (
+        ["rollout.engine.device=auto", "rollout.engine.tp_size=2", "placement.engine_gpus=1"],
+        ["placement.engine_gpus", "rollout.engine.tp_size", "rollout.engine.device"],
+        ["rollout.engine.device=auto", "rollout.engine.tp_size=2", "placement.engine_gpus=2"],
+    ),
+    "every_rank_gets_a_sample": (
+        ["rollout.n=2", "learner.mini_batch_groups=8", "placement.learner_ranks=17"],
+        ["learner.mini_batch_groups", "rollout.n", "placement.learner_ranks", "= 16", "(17)"],
+        ["rollout.n=2", "learner.mini_batch_groups=8", "placement.learner_ranks=16"],
+    ),
+    "drain_before_weight_sync_timeout": (
+        ["rollout.drain_timeout_s=600", "weight_sync.timeout_s=600"],
+        ["rollout.drain_timeout_s", "weight_sync.timeout_s"],
+        ["rollout.drain_timeout_s=599", "weight_sync.timeout_s=600"],
+    ),
+    "health_check_before_silence": (
+        ["placement.health_check_timeout_s=300", "weight_sync.timeout_s=600", "replay.silence_timeout_s=900"],
+        ["placement.health_check_timeout_s", "weight_sync.timeout_s", "replay.silence_timeout_s"],
+        ["placement.health_check_timeout_s=299", "weight_sync.timeout_s=600", "replay.silence_timeout_s=900"],
+    ),
+    "call_outlives_collective": (
+        ["learner.collective_timeout_s=1801", "placement.call_timeout_s=1800"],
+        ["learner.collective_timeout_s", "placement.call_timeout_s"],
+        ["learner.collective_timeout_s=1800", "placement.call_timeout_s=1800"],
+    ),
+    "call_outlives_weight_sync": (
+        ["weight_sync.timeout_s=1801", "placement.call_timeout_s=1800", "replay.silence_timeout_s=3000"],
+        ["weight_sync.timeout_s", "placement.call_timeout_s"],
+        ["weight_sync.timeout_s=1800", "placement.call_timeout_s=1800", "replay.silence_timeout_s=3000"],
+    ),
+    "ticket_outlives_request": (
+        ["replay.ticket_ttl_s=600", "rollout.request_timeout_s=600"],
+        ["replay.ticket_ttl_s", "rollout.request_timeout_s"],
+        ["replay.ticket_ttl_s=601", "rollout.request_timeout_s=600"],
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_cross_rule_names_its_keys_in_one_line(rule):
+    bad, keys, ok = RULES[rule]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, bad)
+    msg = str(err.value)
+    assert "\n" not in msg and not msg.startswith(("<root>", "Value error")), msg
+    for key in keys:
+        assert key in msg, (key, msg)
+    load_config(None, ok)  # the boundary itself is allowed
+
+
+def test_cross_rule_message_through_cli_is_one_line_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "async_dapo.cli", "train", "--config", str(CPU_CONFIG),
+         "--set", "replay.capacity_groups=100"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: replay.capacity_groups (100) must be >= (replay.max_staleness + 1) * "
+        "algorithm.train_batch_groups = (1 + 1) * 64 = 128"
+    )
+
+
+# ------------------------------------------------------------------------ new fields: default + bound
+NEW_FIELDS = [  # dotted key, default, a rejected value, the start of its one-line message
+    ("data.truncation", "error", "right", "data.truncation: Input should be 'error' or 'left'"),
+    ("rollout.request_timeout_s", 600, 0, "rollout.request_timeout_s: Input should be greater than 0"),
+    ("rollout.max_abort_retries", 3, -1, "rollout.max_abort_retries: Input should be greater than or equal to 0"),
+    ("rollout.drain_timeout_s", 300, 0, "rollout.drain_timeout_s: Input should be greater than 0"),
+    ("rollout.temperature", 1.0, 0, "rollout.temperature: Input should be greater than 0"),
+    ("replay.ticket_ttl_s", 1800, 0, "replay.ticket_ttl_s: Input should be greater than 0"),
+    ("replay.silence_timeout_s", 900, -1, "replay.silence_timeout_s: Input should be greater than 0"),
+    ("placement.start_timeout_s", 900, 0, "placement.start_timeout_s: Input should be greater than 0"),
+    ("placement.call_timeout_s", 1800, 0, "placement.call_timeout_s: Input should be greater than 0"),
+    ("placement.health_check_interval_s", 10, 0,
+     "placement.health_check_interval_s: Input should be greater than 0"),
+    ("placement.health_check_timeout_s", 30, 0, "placement.health_check_timeout_s: Input should be greater than 0"),
+    ("placement.max_engine_restarts", 3, -1,
+     "placement.max_engine_restarts: Input should be greater than or equal to 0"),
+    ("learner.collective_timeout_s", 600, 0, "learner.collective_timeout_s: Input should be greater than 0"),
+    ("logging.val_timeout_s", 1800, 0, "logging.val_timeout_s: Input should be greater than 0"),
+]
+
+
+def _get(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("key, default, bad, expected", NEW_FIELDS, ids=[f[0] for f in NEW_FIELDS])
+def test_new_field_default_and_bound(key, default, bad, expected):
+    value = _get(load_config(None), key)
+    assert value == default and type(value) is type(default), (key, value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}={bad}"])
+    assert str(err.value).startswith(expected), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_truncation_left_and_fractional_temperature_load():
+    cfg = load_config(None, ["data.truncation=left", "rollout.temperature=0.01", "placement.max_engine_restarts=0",
+                             "rollout.max_abort_retries=0"])
+    assert cfg.data.truncation == "left" and cfg.rollout.temperature == 0.01
+    assert cfg.placement.max_engine_restarts == 0 and cfg.rollout.max_abort_retries == 0
+
+
+def test_checkpoint_every_steps_may_be_zero():
+    assert load_config(None, ["checkpoint.every_steps=0"]).checkpoint.every_steps == 0
+
+
+@pytest.mark.parametrize("path", sorted(CPU_CONFIG.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_yaml_in_configs_loads(path):
+    load_config(path)

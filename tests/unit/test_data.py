@@ -5,7 +5,8 @@ import json
 import pytest
 
 from async_dapo.data import (
-    DatasetError, LEVELS, load_rows, synthetic_problems, synthetic_response, synthetic_rows, write_rows,
+    DatasetError, LEVELS, fit_prompt_lengths, load_rows, source_name, synthetic_problems, synthetic_response,
+    synthetic_rows, write_rows,
 )
 
 DAPO_ROW = {  # the shape of a DAPO-Math-17k row as users have it
@@ -113,3 +114,49 @@ def test_cursor_rejects_foreign_state():
 
     with pytest.raises(ValueError, match="another dataset"):
         PromptCursor(5, seed=2).load_state_dict(PromptCursor(6, seed=2).state_dict())
+
+
+# --------------------------------------------------------------------- data.max_prompt_length / truncation
+def _rows(k):
+    return synthetic_rows("train", k, levels=[1], heldout_fraction=0.1, seed=0)
+
+
+def test_fit_prompt_lengths_all_fit():
+    assert fit_prompt_lengths(_rows(3), [5, 8, 1], max_len=8, truncation="error", source="d.jsonl") == [0, 0, 0]
+    assert fit_prompt_lengths(_rows(3), [5, 8, 1], max_len=8, truncation="left", source="d.jsonl") == [0, 0, 0]
+    assert fit_prompt_lengths([], [], max_len=8, truncation="error", source="d.jsonl") == []
+
+
+def test_fit_prompt_lengths_error_names_source_and_first_long_row():
+    with pytest.raises(DatasetError) as err:
+        fit_prompt_lengths(_rows(4), [3, 9, 12, 2], max_len=8, truncation="error", source="/data/x.parquet")
+    assert str(err.value) == (
+        "/data/x.parquet: row 1: prompt: 9 tokens > data.max_prompt_length 8 "
+        "(set data.truncation=left to keep the last 8 tokens)"
+    )
+
+
+def test_fit_prompt_lengths_left_drops_leading_tokens():
+    drops = fit_prompt_lengths(_rows(4), [3, 9, 12, 8], max_len=8, truncation="left", source="synthetic:train")
+    assert drops == [0, 1, 4, 0]
+    ids = list(range(12))
+    assert ids[drops[2]:] == [4, 5, 6, 7, 8, 9, 10, 11]  # the last max_len tokens are kept
+
+
+def test_fit_prompt_lengths_rejects_misuse():
+    with pytest.raises(ValueError, match="2 rows but 1 prompt lengths"):
+        fit_prompt_lengths(_rows(2), [1], max_len=8, truncation="error", source="s")
+    with pytest.raises(ValueError, match="data.truncation must be 'error' or 'left', got 'right'"):
+        fit_prompt_lengths(_rows(1), [1], max_len=8, truncation="right", source="s")
+
+
+def test_source_name():
+    from async_dapo.config import load_config
+
+    cfg = load_config(None)
+    assert (source_name(cfg, "train"), source_name(cfg, "val")) == ("synthetic:train", "synthetic:val")
+    cfg = load_config(None, ["data.train=/data/dapo-math-17k.parquet", "data.val=/data/aime-2024.parquet"])
+    assert source_name(cfg, "train") == "/data/dapo-math-17k.parquet"
+    assert source_name(cfg, "val") == "/data/aime-2024.parquet"
+    with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
+        source_name(cfg, "test")

@@ -15,3 +15,49 @@ def test_fresh_run_moves_an_earlier_run_aside_and_keeps_it(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     assert archive_previous_run(run) == tmp_path / "run.2"  # run.1 is taken
     assert (tmp_path / "run.2" / "checkpoints").is_dir() and (tmp_path / "run.1").is_dir()
+
+
+def test_write_atomic_replaces_whole_files_and_leaves_no_temp(tmp_path):
+    from async_dapo.orchestrator import write_atomic
+
+    target = tmp_path / "ckpt" / "meta.json"
+    write_atomic(target, '{"step": 2}')
+    write_atomic(target, '{"step": 4}')
+    assert target.read_text() == '{"step": 4}'
+    assert sorted(p.name for p in target.parent.iterdir()) == ["meta.json"]
+
+
+def test_resume_never_picks_a_checkpoint_without_its_metadata(tmp_path):
+    import json
+
+    import pytest
+
+    from async_dapo.orchestrator import _checkpoint_to_resume
+
+    root = tmp_path / "run" / "checkpoints"
+    for step, meta in ((2, True), (4, True), (6, False)):  # step 6: the run died while writing it
+        ckpt = root / f"step_{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "replay.json").write_text("{}")
+        if meta:
+            (ckpt / "meta.json").write_text(json.dumps({"step": step, "version": step}))
+    (root / "step_8").mkdir()
+    (root / "step_8" / "meta.json").write_text('{"step": 8')  # torn metadata (pre-atomic writer)
+    (root / "latest.json").write_text(json.dumps({"step": 8, "version": 8}))  # points at the torn one
+    assert _checkpoint_to_resume(tmp_path / "run") == root / "step_4"
+    with pytest.raises(FileNotFoundError, match="incomplete checkpoint"):
+        _checkpoint_to_resume(root / "step_6")
+    assert _checkpoint_to_resume(root / "step_2") == root / "step_2"
+
+
+def test_rewind_keeps_exactly_the_rows_up_to_the_checkpoint(tmp_path):
+    import json
+
+    from async_dapo.metrics import rewind_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "x": s} for s in (0, 1, 2, 3, 4, 5)] + [{"step": 4, "val/avg_at_k": 0.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert rewind_jsonl(path, 3) == 3  # steps 4, 5 and the step-4 validation row
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+    assert rewind_jsonl(tmp_path / "absent.jsonl", 3) == 0

@@ -1,6 +1,7 @@
 """The replay queue service around the policy: admission waits on a condition and wakes on a version
-advance; groups arrive over real zmq; batches come out B at a time; checkpoint state gives untrained
-prompts back. Runs in-process on one asyncio loop (the Ray actor is this class behind ray.remote)."""
+advance; groups arrive over real (HMAC-signed) zmq; batches come out B at a time; every admitted prompt is
+accounted for (arrived, abandoned by its producer, expired, released with its actor); checkpoint state gives
+untrained prompts back. Runs in-process on one asyncio loop (the Ray actor is this class behind ray.remote)."""
 
 import asyncio
 
@@ -13,42 +14,58 @@ from async_dapo.transport import GroupSender
 from async_dapo.wire import Group, Sample
 
 
-def _group(epoch, index, accs, version=0):
+def _group(ticket, accs, version=0):
+    group_id, epoch, index = ticket[0], ticket[1], ticket[2]
     samples = tuple(
         Sample(response_ids=np.array([5, 6], np.int32), logprobs=np.array([-0.5, -0.1], np.float32),
                versions=np.array([version, version], np.int32), reward=1.0 if a else -1.0,
                score=1.0 if a else -1.0, acc=a, truncated=False, finish_reason="stop", gen_seconds=0.1)
         for a in accs
     )
-    return Group(group_id=f"{epoch}-{index}", prompt_index=index, epoch=epoch, engine_rank=0,
+    return Group(group_id=group_id, prompt_index=index, epoch=epoch, engine_rank=0,
                  prompt_ids=np.array([1, 2, 3], np.int32), ground_truth="7", data_source="t",
                  samples=samples, created_at=1.0, admitted_version=version)
 
 
+def _cfg(*extra):
+    return load_config(None, ["algorithm.train_batch_groups=2", "learner.mini_batch_groups=2",
+                              "replay.max_staleness=0", "rollout.n=2", "replay.capacity_groups=8", *extra])
+
+
 @pytest.fixture
 def cfg():
-    return load_config(None, ["algorithm.train_batch_groups=2", "learner.mini_batch_groups=2",
-                              "replay.max_staleness=0", "rollout.n=2", "replay.capacity_groups=8"])
+    return _cfg()
+
+
+async def _connected(svc):
+    return GroupSender(await svc.address(), secret=await svc.producer_secret())
+
+
+async def _until(pred, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
 
 
 def test_admission_blocks_until_version_advances_and_batches_flow(cfg):
     async def scenario():
         svc = ReplayService(cfg)
-        sender = GroupSender(await svc.address())
+        sender = await _connected(svc)
         try:
             tickets = await svc.admit(0, 10)
             assert len(tickets) == 2  # eta=0, v=0, B=2: (0 + 0 + 1) * 2 prompts
+            assert await svc.admit(0, 10, wait_s=0.2) == []  # bounded wait, nothing admitted
             blocked = asyncio.ensure_future(svc.admit(0, 10))
             await asyncio.sleep(0.2)
-            assert not blocked.done()  # waits on the condition, nothing admitted
-            (e0, i0, _), (e1, i1, _) = tickets
-            sender.send(_group(e0, i0, [True, True]))  # all correct: dropped, frees a slot
+            assert not blocked.done()  # waits on the condition
+            sender.send(_group(tickets[0], [True, True]))  # all correct: dropped, frees a slot
             third = await asyncio.wait_for(blocked, 5)
             assert len(third) == 1
-            sender.send(_group(e1, i1, [True, False]))
-            sender.send(_group(third[0][0], third[0][1], [False, True]))
-            batch = await asyncio.wait_for(svc.get_batch(), 5)
-            assert [g.prompt_index for g in batch] == [i1, third[0][1]]
+            sender.send(_group(tickets[1], [True, False]))
+            sender.send(_group(third[0], [False, True]))
+            got = await asyncio.wait_for(svc.get_batch(wait_s=5), 6)
+            assert [g.prompt_index for g in got["batch"]] == [tickets[1][2], third[0][2]]
             again = asyncio.ensure_future(svc.admit(0, 10))
             await asyncio.sleep(0.2)
             assert not again.done()
@@ -59,8 +76,111 @@ def test_admission_blocks_until_version_advances_and_batches_flow(cfg):
             assert stats["handed_out"] == 2 and stats["running"] == 2
             # Foreign garbage on the socket is counted, never fatal.
             sender.send_bytes(b"\x00not msgpack")
-            await asyncio.sleep(0.3)
-            assert (await svc.stats())["rejected_malformed"] == 1
+            await _until(lambda: _stat(svc, "rejected_malformed", 1))
+        finally:
+            sender.close()
+            await svc.close()
+
+    asyncio.run(scenario())
+
+
+async def _stat(svc, key, value):
+    return (await svc.stats()).get(key) == value
+
+
+def test_unsigned_group_is_rejected_and_not_counted_as_arrival(cfg):
+    async def scenario():
+        svc = ReplayService(cfg)
+        foreign = GroupSender(await svc.address())  # no secret: a well-formed group from outside the run
+        try:
+            tickets = await svc.admit(0, 10)
+            foreign.send(_group(tickets[0], [True, False]))
+            await _until(lambda: _stat(svc, "rejected_auth", 1))
+            stats = await svc.stats()
+            assert stats["received"] == 0 and stats["running"] == 2
+        finally:
+            foreign.close()
+            await svc.close()
+
+    asyncio.run(scenario())
+
+
+def test_abandoned_group_frees_its_slot_and_returns_its_prompt_at_eta_0(cfg):
+    async def scenario():
+        svc = ReplayService(cfg)
+        sender = await _connected(svc)
+        try:
+            a, b = await svc.admit(0, 10)
+            assert await svc.abandon(a[0], "score_error") is True
+            assert await svc.abandon(a[0], "score_error") is False  # once only
+            (c,) = await asyncio.wait_for(svc.admit(0, 10), 5)  # the slot came back ...
+            assert (c[1], c[2]) == (a[1], a[2]) and c[0] != a[0]  # ... with the same prompt, a new ticket
+            sender.send(_group(b, [True, False]))
+            sender.send(_group(c, [False, True]))
+            got = await svc.get_batch(wait_s=5)
+            assert sorted(g.prompt_index for g in got["batch"]) == sorted([a[2], b[2]])
+            stats = await svc.stats()
+            assert stats["abandoned/score_error"] == 1 and stats["abandoned"] == 1 and stats["running"] == 0
+            # A late group for the abandoned ticket is dropped and counted: never trained twice.
+            sender.send(_group(a, [True, False]))
+            await _until(lambda: _stat(svc, "rejected_unexpected", 1))
+            assert (await svc.stats())["received"] == 2
+        finally:
+            sender.close()
+            await svc.close()
+
+    asyncio.run(scenario())
+
+
+def test_tickets_expire_after_their_ttl(cfg):
+    async def scenario():
+        svc = ReplayService(_cfg("replay.ticket_ttl_s=1.5", "rollout.request_timeout_s=1"))
+        try:
+            first = await svc.admit(0, 10)
+            assert len(first) == 2 and await svc.admit(0, 10, wait_s=0.1) == []
+            again = await asyncio.wait_for(svc.admit(0, 10, wait_s=10), 11)  # the receive loop expires them
+            assert sorted((t[1], t[2]) for t in again) == sorted((t[1], t[2]) for t in first)
+            assert (await svc.stats())["abandoned/expired"] == 2
+        finally:
+            await svc.close()
+
+    asyncio.run(scenario())
+
+
+def test_release_engine_returns_only_that_engines_prompts(cfg):
+    async def scenario():
+        svc = ReplayService(_cfg("algorithm.train_batch_groups=4", "learner.mini_batch_groups=4",
+                                 "replay.capacity_groups=8"))
+        try:
+            mine = await svc.admit(1, 3)
+            other = await svc.admit(0, 10)
+            assert len(mine) == 3 and len(other) == 1
+            assert await svc.release_engine(1, "actor_failed") == 3
+            stats = await svc.stats()
+            assert stats["abandoned/actor_failed"] == 3 and stats["running"] == 1
+            state = await svc.state_dict()  # a checkpoint now gives back the survivor's prompt too
+            assert sorted(tuple(t) for t in state["cursor"]["pending"]) == sorted((t[1], t[2]) for t in mine + other)
+        finally:
+            await svc.close()
+
+    asyncio.run(scenario())
+
+
+def test_get_batch_reports_when_dynamic_sampling_cannot_fill_a_batch():
+    async def scenario():
+        svc = ReplayService(_cfg("replay.capacity_groups=8", "algorithm.dynamic_sampling.max_gen_rounds=2"))
+        sender = await _connected(svc)
+        try:
+            empty = await svc.get_batch(wait_s=0.1)
+            assert empty["batch"] is None and empty["problem"] is None
+            for accs in ([True, True], [True, True], [True, True], [False, False]):  # 2 rounds of B = 2
+                (t,) = await svc.admit(0, 1)
+                sender.send(_group(t, accs))
+            await _until(lambda: _stat(svc, "received", 4))
+            got = await svc.get_batch(wait_s=0.1)
+            assert got["batch"] is None
+            assert got["problem"] == ("2 groups needed, 0 mixed in 2 rounds (4 groups): 75% all-correct, "
+                                      "25% all-wrong, 0% stale (algorithm.dynamic_sampling.max_gen_rounds = 2)")
         finally:
             sender.close()
             await svc.close()
@@ -74,11 +194,70 @@ def test_checkpoint_gives_untrained_prompts_back(cfg):
         try:
             tickets = await svc.admit(0, 10)
             state = await svc.state_dict()
-            assert sorted(tuple(t) for t in state["cursor"]["pending"]) == sorted((e, i) for e, i, _ in tickets)
+            expected = sorted((t[1], t[2]) for t in tickets)
+            assert sorted(tuple(t) for t in state["cursor"]["pending"]) == expected
             fresh = ReplayService(cfg)
             await fresh.load_state_dict(state)
-            assert [(e, i) for e, i, _ in await fresh.admit(0, 2)] == sorted((e, i) for e, i, _ in tickets)
+            assert [(t[1], t[2]) for t in await fresh.admit(0, 2)] == expected
             await fresh.close()
+        finally:
+            await svc.close()
+
+    asyncio.run(scenario())
+
+
+def test_resume_restores_the_uninterrupted_admission_window_without_a_burst():
+    """AReaL #1345: a resumed queue must not admit more than the uninterrupted run could at that version.
+    Uninterrupted at version v: limit (eta + v + 1) * B with v * B handed out; resumed at v: limit
+    (eta + 1) * B with none handed out — the same window, (eta + 1) * B = 4 prompts, counted from the
+    batches trained so far, and the prompts that were queued or running come back through the cursor."""
+    async def scenario():
+        cfg = _cfg("replay.max_staleness=1", "replay.capacity_groups=8")
+        run = ReplayService(cfg)
+        sender = await _connected(run)
+        try:
+            for version in (1, 2, 3):  # three steps: fill, train one batch, push the next version
+                for t in await run.admit(0, 2):
+                    sender.send(_group(t, [True, False], version - 1))
+                await _until(lambda: _stat(run, "running", 0))
+                assert (await run.get_batch(wait_s=5))["batch"] is not None
+                await run.set_version(version)
+            running = await run.admit(0, 3)  # some prompts in flight at the checkpoint
+            before = await run.stats()
+            state = await run.state_dict()
+            resumed = ReplayService(cfg, initial_version=3)
+            await resumed.load_state_dict(state)
+            after = await resumed.stats()
+            assert before["admission_limit"] - before["handed_out"] == after["admission_limit"] == 4
+            assert after["capacity_to_admit"] == 4 and before["running"] + before["depth"] + before[
+                "capacity_to_admit"] == 4
+            again = await resumed.admit(0, 10)
+            assert len(again) == 4 and await resumed.admit(0, 10, wait_s=0.1) == []  # no burst
+            assert sorted((t[1], t[2]) for t in again[:3]) == sorted((t[1], t[2]) for t in running)
+            await resumed.close()
+        finally:
+            sender.close()
+            await run.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_released_producer_cannot_admit_again(cfg):
+    """A dead rollout actor's admit call may still be waiting in the queue when the supervisor releases
+    its prompts; when it wakes it must not take tickets that nobody will ever produce."""
+    async def scenario():
+        svc = ReplayService(cfg)
+        try:
+            await svc.register_producer(0, "old")
+            first = await svc.admit(0, 10, 5.0, "old")
+            waiting = asyncio.ensure_future(svc.admit(0, 10, 5.0, "old"))  # blocked: window full
+            await asyncio.sleep(0.1)
+            assert await svc.release_engine(0, "actor_failed") == 2  # frees the window, wakes the waiter
+            assert await asyncio.wait_for(waiting, 5) == []
+            await svc.register_producer(0, "new")
+            again = await svc.admit(0, 10, 5.0, "new")
+            assert sorted((t[1], t[2]) for t in again) == sorted((t[1], t[2]) for t in first)
+            assert (await svc.stats())["running"] == 2
         finally:
             await svc.close()
 

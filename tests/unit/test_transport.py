@@ -7,6 +7,8 @@ bound port behind. Timeouts are short: each test runs well under 2 s.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import time
 
 import msgpack
@@ -15,8 +17,8 @@ import pytest
 import zmq
 
 from async_dapo.config import TransportConfig
-from async_dapo.transport import GroupReceiver, GroupSender
-from async_dapo.wire import Group, Sample, encode_group
+from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret
+from async_dapo.wire import Group, OversizedMessage, Sample, decode_group, encode_group
 
 RECV_MS = 1000  # generous per-message wait; a healthy local delivery takes well under 10 ms
 
@@ -91,8 +93,8 @@ def test_groups_arrive_in_order_and_intact(receiver, connect):
     assert [g.group_id for g in got] == [f"g{i}" for i in range(20)]
     assert got == sent
     assert got[19].samples[0].versions.tolist() == [19] * 20
-    assert receiver.counters == {"received": 20, "rejected_malformed": 0, "rejected_oversized": 0,
-                                 "rejected_schema": 0}
+    assert receiver.counters == {"received": 20, "rejected_auth": 0, "rejected_malformed": 0,
+                                 "rejected_oversized": 0, "rejected_schema": 0}
     assert receiver.last_error is None
 
 
@@ -105,8 +107,8 @@ def test_bad_frames_dropped_and_counted_valid_ones_delivered(receiver, connect):
     tx.send(make_group("last"))
     assert receiver.recv(RECV_MS).group_id == "first"
     assert receiver.recv(RECV_MS).group_id == "last"
-    assert receiver.counters == {"received": 2, "rejected_malformed": 1, "rejected_oversized": 1,
-                                 "rejected_schema": 1}
+    assert receiver.counters == {"received": 2, "rejected_auth": 0, "rejected_malformed": 1,
+                                 "rejected_oversized": 1, "rejected_schema": 1}
     assert receiver.last_error == "schema: foreign schema 'someone_else.batch' (expected 'async_dapo.group')"
     assert receiver.recv(timeout_ms=20) is None
 
@@ -129,8 +131,8 @@ def test_multipart_frames_are_malformed(receiver, raw_push):
     sock.send_multipart([good, good])
     sock.send(good)
     assert receiver.recv(RECV_MS).group_id == "ok"
-    assert receiver.counters == {"received": 1, "rejected_malformed": 1, "rejected_oversized": 0,
-                                 "rejected_schema": 0}
+    assert receiver.counters == {"received": 1, "rejected_auth": 0, "rejected_malformed": 1,
+                                 "rejected_oversized": 0, "rejected_schema": 0}
     assert receiver.last_error == "message: 2 frames, expected 1"
 
 
@@ -206,8 +208,8 @@ def test_arecv_under_asyncio_and_loop_stays_free(receiver, connect):
     assert asyncio.run(receiver.arecv(RECV_MS)).group_id == "x3"
     tx.send(make_group("x4"))
     assert receiver.recv(RECV_MS).group_id == "x4"
-    assert receiver.counters == {"received": 4, "rejected_malformed": 1, "rejected_oversized": 0,
-                                 "rejected_schema": 0}
+    assert receiver.counters == {"received": 4, "rejected_auth": 0, "rejected_malformed": 1,
+                                 "rejected_oversized": 0, "rejected_schema": 0}
 
 
 def test_message_over_hard_cap_disconnects_peer_but_receiver_survives(connect):
@@ -242,3 +244,163 @@ def test_send_times_out_when_hwm_full_and_close_does_not_hang():
 def test_counters_is_a_copy(receiver):
     receiver.counters["received"] = 99
     assert receiver.counters["received"] == 0
+
+
+# ------------------------------------------------------------------------------ authentication
+@pytest.fixture
+def secret():
+    return new_secret()
+
+
+@pytest.fixture
+def signed_receiver(secret):
+    rx = GroupReceiver(max_message_bytes=4096, secret=secret)
+    try:
+        yield rx
+    finally:
+        rx.close()
+
+
+def counts(**nonzero: int) -> dict[str, int]:
+    base = {"received": 0, "rejected_auth": 0, "rejected_malformed": 0,
+                                 "rejected_oversized": 0, "rejected_schema": 0}
+    return {**base, **nonzero}
+
+
+def test_new_secret_is_random_and_long():
+    a, b = new_secret(), new_secret()
+    assert isinstance(a, bytes) and len(a) == 32 and a != b
+
+
+def test_bad_secrets_refused():
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        GroupReceiver(secret=b"short")
+    with pytest.raises(TypeError, match="secret must be bytes"):
+        GroupSender("tcp://127.0.0.1:1", secret="a str, not bytes")  # type: ignore[arg-type]
+
+
+def test_signed_round_trip(signed_receiver, connect, secret):
+    tx = connect(signed_receiver, secret=secret)
+    sent = [make_group(f"s{i}", n_tokens=i + 1) for i in range(5)]
+    for group in sent:
+        tx.send(group)
+    assert [signed_receiver.recv(RECV_MS) for _ in sent] == sent
+    assert signed_receiver.counters == counts(received=5)
+    assert signed_receiver.last_error is None
+
+
+def hmac_frame(secret: bytes, payload: bytes) -> bytes:
+    """The documented frame layout, built independently of transport.py."""
+    return hmac.new(secret, payload, hashlib.sha256).digest() + payload
+
+
+def test_signed_frame_is_one_frame_tag_then_payload(signed_receiver, raw_push, secret):
+    sock = raw_push(signed_receiver.address)
+    sock.send(hmac_frame(secret, encode_group(make_group("by-hand"))))
+    sock.send_multipart([hmac_frame(secret, encode_group(make_group("split")))[:TAG_BYTES],
+                         encode_group(make_group("split"))])  # tag in its own frame: not the format
+    sock.send(hmac_frame(secret, encode_group(make_group("last"))))
+    assert signed_receiver.recv(RECV_MS).group_id == "by-hand"
+    assert signed_receiver.recv(RECV_MS).group_id == "last"
+    assert signed_receiver.counters == counts(received=2, rejected_malformed=1)
+    assert TAG_BYTES == 32
+
+
+def test_unsigned_group_rejected_and_receiver_keeps_serving(signed_receiver, connect, secret):
+    foreign = connect(signed_receiver)  # no secret: a well-formed group without a tag
+    foreign.send(make_group("intruder"))
+    tx = connect(signed_receiver, secret=secret)
+    deadline = time.monotonic() + 5
+    while signed_receiver.counters["rejected_auth"] < 1 and time.monotonic() < deadline:
+        assert signed_receiver.recv(timeout_ms=50) is None
+    assert signed_receiver.counters == counts(rejected_auth=1)
+    assert signed_receiver.last_error == "message: HMAC tag mismatch (unsigned, foreign or tampered)"
+    tx.send(make_group("legit"))
+    assert signed_receiver.recv(RECV_MS) == make_group("legit")
+    assert signed_receiver.counters == counts(received=1, rejected_auth=1)
+
+
+def test_group_signed_with_another_secret_rejected(signed_receiver, connect, secret):
+    tx = connect(signed_receiver, secret=secret)
+    tx.send_bytes(b"\x00" * 5, sign=False)  # shorter than a tag: rejected before any parsing too
+    connect(signed_receiver, secret=new_secret()).send(make_group("other-run"))
+    tx.send(make_group("ours"))
+    got = []
+    deadline = time.monotonic() + 5
+    while len(got) < 1 or sum(signed_receiver.counters.values()) < 3:
+        assert time.monotonic() < deadline, signed_receiver.counters
+        group = signed_receiver.recv(timeout_ms=50)
+        got += [group] if group is not None else []
+    assert [g.group_id for g in got] == ["ours"]
+    assert signed_receiver.counters == counts(received=1, rejected_auth=2)
+
+
+def test_tampered_payload_rejected(signed_receiver, connect, secret):
+    tx = connect(signed_receiver, secret=secret)
+    payload = encode_group(make_group("tampered"))
+    frame = bytearray(hmac_frame(secret, payload))
+    frame[-1] ^= 0x01  # one bit of the payload flipped after signing
+    # Still a valid group (admitted_version 0 -> 1): only the HMAC can catch this one.
+    assert decode_group(bytes(frame[TAG_BYTES:])).admitted_version == 1
+    tx.send_bytes(bytes(frame), sign=False)
+    tag_flipped = bytearray(hmac_frame(secret, payload))
+    tag_flipped[0] ^= 0x80
+    tx.send_bytes(bytes(tag_flipped), sign=False)
+    tx.send(make_group("after"))
+    assert signed_receiver.recv(RECV_MS).group_id == "after"
+    assert signed_receiver.counters == counts(received=1, rejected_auth=2)
+
+
+def test_send_bytes_signs_unless_told_not_to(signed_receiver, connect, secret):
+    tx = connect(signed_receiver, secret=secret)
+    payload = encode_group(make_group("raw"))
+    tx.send_bytes(payload, sign=False)  # unsigned: rejected
+    tx.send_bytes(payload)  # signed by the sender
+    tx.send_bytes(hmac_frame(secret, payload), sign=False)  # signed by hand
+    assert signed_receiver.recv(RECV_MS).group_id == "raw"
+    assert signed_receiver.recv(RECV_MS).group_id == "raw"
+    assert signed_receiver.counters == counts(received=2, rejected_auth=1)
+
+
+def test_sender_max_message_bytes_raises_and_sends_nothing(signed_receiver, connect, secret):
+    tx = connect(signed_receiver, secret=secret, max_message_bytes=4096)
+    big = make_group("too-big", n_tokens=1000)
+    size = len(encode_group(big))
+    with pytest.raises(OversizedMessage, match=f"'too-big': {size} bytes > max_message_bytes 4096, not sent"):
+        tx.send(big)
+    tx.send(make_group("fits"))
+    assert signed_receiver.recv(RECV_MS).group_id == "fits"
+    assert signed_receiver.recv(timeout_ms=100) is None
+    assert signed_receiver.counters == counts(received=1)
+
+
+def test_signed_payload_of_exactly_max_bytes_fits_the_caps(connect, secret):
+    limit = len(encode_group(make_group("edge")))
+    # max_message_bytes limits the payload; the hard cap must leave room for the 32 tag bytes.
+    with pytest.raises(ValueError, match="hard_cap_bytes"):
+        GroupReceiver(max_message_bytes=limit, secret=secret, hard_cap_bytes=limit + TAG_BYTES - 1)
+    with GroupReceiver(max_message_bytes=limit, secret=secret, hard_cap_bytes=limit + TAG_BYTES) as rx:
+        tx = connect(rx, secret=secret)
+        tx.send(make_group("edge"))  # frame = limit + 32 == hard cap: accepted
+        assert rx.recv(RECV_MS).group_id == "edge"
+    with GroupReceiver(max_message_bytes=limit, secret=secret, hard_cap_bytes=limit + 64) as rx:
+        tx = connect(rx, secret=secret, max_message_bytes=limit)
+        tx.send(make_group("edge"))
+        tx.send_bytes(b"\x00" * (limit + 1))  # one byte over: counted, neither verified nor unpacked
+        tx.send(make_group("edge"))
+        assert [rx.recv(RECV_MS).group_id for _ in range(2)] == ["edge", "edge"]
+        assert rx.counters == counts(received=2, rejected_oversized=1)
+        assert rx.last_error == f"message: {limit + 1} bytes > max_message_bytes {limit}"
+    with GroupReceiver(max_message_bytes=1000, secret=secret) as rx:
+        assert rx.hard_cap_bytes == 1000 + 1024 * 1024 + TAG_BYTES
+
+
+def test_from_config_passes_the_secret(secret, connect):
+    with GroupReceiver.from_config(TransportConfig(), secret=secret) as rx:
+        connect(rx).send(make_group("unsigned"))
+        connect(rx, secret=secret).send(make_group("signed"))
+        assert rx.recv(RECV_MS * 5).group_id == "signed"
+        deadline = time.monotonic() + 5
+        while rx.counters["rejected_auth"] < 1 and time.monotonic() < deadline:
+            rx.recv(timeout_ms=50)
+        assert rx.counters == counts(received=1, rejected_auth=1)

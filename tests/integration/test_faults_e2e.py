@@ -1,0 +1,191 @@
+"""Fault injection through the real stack (SGLang CPU engine, Ray, zmq, FSDP2/gloo), each asserting the
+outcome the user relies on (docs/reliability.md):
+
+* a rollout actor SIGKILLed mid-run, then its replacement's engine hung (SIGSTOP of its SGLang processes):
+  both are noticed by the heartbeat, replaced with current weights, and the run trains all its steps;
+* a fraction of groups failing in the reward function at eta = 0: each is abandoned, counted and its prompt
+  re-issued, and the run (which would deadlock if one slot leaked) trains all its steps;
+* a learner rank SIGKILLed: the run exits 1 within a bound, naming the rank and the last checkpoint;
+  ``--resume`` trains the remaining steps, with exactly one metrics row per step and no prompt trained
+  twice in an epoch.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import CPU_CONFIG, REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SMALL = ["--set", "logging.val_every_steps=0", "--set", "checkpoint.export_hf=false",
+         "--set", "algorithm.train_batch_groups=16", "--set", "learner.mini_batch_groups=16",
+         "--set", "rollout.max_inflight_prompts=32"]
+# Fast fault detection for a 0.4M-parameter model (a push takes ~0.02 s, a request well under 1 s).
+FAST = ["--set", "placement.health_check_interval_s=2", "--set", "placement.health_check_timeout_s=10",
+        "--set", "weight_sync.timeout_s=20", "--set", "rollout.drain_timeout_s=10",
+        "--set", "replay.silence_timeout_s=90"]
+
+
+def _cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "async_dapo.cli", "train", "--config", str(CPU_CONFIG),
+            "--set", f"logging.run_dir={run_dir}", *SMALL, *FAST, *extra]
+
+
+def _rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _train_rows(run_dir: Path) -> list[dict]:
+    return [m for m in _rows(run_dir) if "train/version" in m]
+
+
+def _wait(pred, proc, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not pred():
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _actors(run_dir: Path) -> dict:
+    return json.loads((run_dir / "actors.json").read_text())
+
+
+def _start(cmd, log: Path):
+    return subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _end(proc) -> None:
+    if proc.poll() is None:  # only if a test failed: the run's own process group, by its PID
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
+def test_killed_and_hung_rollout_actors_are_replaced_and_the_run_finishes(tiny_model, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start(_cmd(run_dir, "--set", "learner.total_steps=16"), log)
+    stopped: list[int] = []
+    try:
+        _wait(lambda: len(_train_rows(run_dir)) >= 3, proc, 600, "step 3")
+        first = _actors(run_dir)["rollout"]["0"]
+        os.kill(first, signal.SIGKILL)  # fault 1: the process is gone
+        t_kill = time.time()
+        _wait(lambda: _actors(run_dir)["rollout"]["0"] not in (first, None), proc, 300, "a replacement")
+        t_replaced = time.time()
+        steps_then = len(_train_rows(run_dir))
+        _wait(lambda: len(_train_rows(run_dir)) >= steps_then + 2, proc, 300, "training after the replacement")
+        second = _actors(run_dir)["rollout"]["0"]
+        stopped = [c.pid for c in psutil.Process(second).children(recursive=True)]
+        for pid in stopped:  # fault 2: the engine's scheduler and detokenizer hang (alive, silent)
+            os.kill(pid, signal.SIGSTOP)
+        t_stop = time.time()
+        _wait(lambda: _actors(run_dir)["rollout"]["0"] not in (second, None), proc, 300, "a second replacement")
+        t_second = time.time()
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        _end(proc)
+    text = log.read_text()
+    rows = _train_rows(run_dir)
+    assert [m["train/version"] for m in rows] == [float(v) for v in range(1, 17)]  # every step, once
+    last = rows[-1]
+    assert last["rollout/engine_restarts"] == 2.0
+    assert "process died" in text and ("hung" in text or "stuck" in text), text[-3000:]
+    assert last["queue/abandoned/actor_failed"] >= 1  # in-flight prompts returned to the cursor
+    print(f"\nSIGKILL -> replacement running: {t_replaced - t_kill:.1f} s; SIGSTOP -> replacement running: "
+          f"{t_second - t_stop:.1f} s")
+    print("\n".join(line[:160] for line in text.splitlines() if "rollout actor 0" in line))
+    assert t_replaced - t_kill < 120  # noticed within a heartbeat, replaced within one engine start
+    assert t_second - t_stop < 180  # + the stuck update's bound (weight_sync.timeout_s = 20 here)
+    assert not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    _assert_prompts_trained_once(run_dir)
+
+
+def test_failing_groups_at_eta_0_are_abandoned_counted_and_the_run_finishes(tiny_model, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    flaky = REPO / "tests" / "faults" / "flaky_reward.py"
+    cmd = _cmd(run_dir, "--set", "learner.total_steps=5", "--set", "replay.max_staleness=0",
+               "--set", f"reward.custom_function={flaky}:score")
+    done = subprocess.run(cmd, cwd=REPO, timeout=900, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _train_rows(run_dir)
+    assert [m["train/version"] for m in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    last = rows[-1]
+    print(f"\nabandoned {last['queue/abandoned']:.0f} groups (score_error), received {last['queue/received']:.0f}")
+    assert last["queue/abandoned/score_error"] >= 5  # ~34% of groups fail; each counted by reason
+    assert last["queue/abandoned"] == last["queue/abandoned/score_error"]
+    assert all(m["staleness/max"] == 0 for m in rows)  # still synchronous
+    _assert_prompts_trained_once(run_dir)
+
+
+def test_killed_learner_stops_the_run_naming_it_and_resume_finishes(tiny_model, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    cmd = _cmd(run_dir, "--set", "learner.total_steps=10", "--set", "checkpoint.every_steps=2",
+               "--set", "checkpoint.keep_last=10")
+    proc = _start(cmd, log)
+    try:
+        _wait(lambda: len(_train_rows(run_dir)) >= 5, proc, 600, "step 5")
+        os.kill(_actors(run_dir)["learner"]["0"], signal.SIGKILL)
+        t_kill = time.time()
+        rc = proc.wait(timeout=300)
+    finally:
+        _end(proc)
+    noticed_s = time.time() - t_kill
+    lines = [line for line in log.read_text().splitlines() if line.startswith("run failed:")]
+    assert rc == 1 and len(lines) == 1, log.read_text()[-3000:]
+    assert "learner rank 0 died" in lines[0] and "last checkpoint: " in lines[0], lines[0]
+    ckpt_step = int(lines[0].split("checkpoints/step_")[1].split()[0])
+    assert ckpt_step >= 4 and ckpt_step % 2 == 0
+    print(f"\nlearner SIGKILL -> run exited 1: {noticed_s:.1f} s; {lines[0]}")
+    assert noticed_s < 120  # a dead learner ends the run in bounded time (process exit included)
+
+    resumed = subprocess.run(_cmd(run_dir, "--resume", str(run_dir), "--set", "learner.total_steps=10",
+                                  "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=10"),
+                             cwd=REPO, timeout=900, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [m["step"] for m in _train_rows(run_dir)]
+    assert steps == list(range(1, 11))  # exactly one metrics row per step across kill + resume
+    _assert_prompts_trained_once(run_dir)
+
+
+def _assert_prompts_trained_once(run_dir: Path) -> None:
+    """prompts.jsonl: one line per step, and no (epoch, prompt) pair trained twice."""
+    rows = _rows(run_dir, "prompts.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    pairs = [tuple(p) for r in rows for p in r["prompts"]]
+    assert len(pairs) == len(set(pairs)), "a prompt was trained twice in one epoch"
+
+
+def test_silence_stops_the_run_with_what_it_waited_for(tiny_model, tmp_path):
+    """With supervision effectively off (a 1000 s heartbeat interval), a hung engine at eta = 0 leaves the
+    learner without groups: after replay.silence_timeout_s the run exits 1 with one line naming the wait,
+    the live actors and the queue's counts — it never hangs silently."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start(_cmd(run_dir, "--set", "learner.total_steps=50", "--set", "replay.max_staleness=0",
+                       "--set", "placement.health_check_interval_s=1000", "--set", "replay.silence_timeout_s=40"),
+                  log)
+    stopped = []
+    try:
+        _wait(lambda: len(_train_rows(run_dir)) >= 2, proc, 600, "step 2")
+        stopped = [c.pid for c in psutil.Process(_actors(run_dir)["rollout"]["0"]).children(recursive=True)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.time()
+        rc = proc.wait(timeout=400)
+    finally:
+        _end(proc)
+    lines = [line for line in log.read_text().splitlines() if line.startswith("run failed:")]
+    assert rc == 1 and len(lines) == 1, log.read_text()[-3000:]
+    print(f"\nSIGSTOP -> exit 1: {time.time() - t0:.1f} s; {lines[0]}")
+    assert "no group for" in lines[0] and "(replay.silence_timeout_s)" in lines[0]
+    assert "rollout actors alive" in lines[0] and "running" in lines[0] and "queued" in lines[0]
+    assert time.time() - t0 < 40 + 120
+    assert not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

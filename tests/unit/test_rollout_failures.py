@@ -1,0 +1,108 @@
+"""The rollout actor's failure handling around one engine request, with a stand-in tokenizer manager (the
+engine itself is exercised in tests/integration): a request the engine aborts on its own is retried
+rollout.max_abort_retries times then fails the group as "aborted"; a request with no answer fails it as
+"timeout" and is aborted in the engine; aborts caused by our own weight update never count; an exception
+in the reward function fails the group as "score_error"; prompts follow data.truncation."""
+
+import asyncio
+
+import pytest
+
+from async_dapo.config import load_config
+from async_dapo.data import synthetic_rows
+from async_dapo.rollout import GroupFailed, _Session, failure_reason
+from async_dapo.wire import OversizedMessage
+
+
+class FakeTM:
+    """Answers generate_request with scripted results: 'abort', 'ok' or 'hang'."""
+
+    def __init__(self, script):
+        self.script, self.calls, self.aborted = list(script), 0, []
+
+    def generate_request(self, obj, request):
+        kind = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+
+        async def gen():
+            if kind == "hang":
+                await asyncio.sleep(3600)
+            finish = {"type": "abort"} if kind == "abort" else {"type": "stop"}
+            yield {"output_ids": [5], "meta_info": {"finish_reason": finish, "output_token_logprobs": [(-0.1, 5)]}}
+
+        return gen()
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+
+
+def _session(script, *overrides):
+    cfg = load_config(None, ["rollout.max_abort_retries=2", "rollout.request_timeout_s=0.3", *overrides])
+    return _Session(cfg, 0, 0, None, [], FakeTM(script))
+
+
+def test_foreign_aborts_are_retried_then_fail_the_group():
+    s = _session(["abort", "abort", "ok"])
+    out = asyncio.run(s.sample_once([1, 2], {}))
+    assert out["output_ids"] == [5] and s.tm.calls == 3 and s.stats.resampled == 2
+    s = _session(["abort"])
+    with pytest.raises(GroupFailed) as err:
+        asyncio.run(s.sample_once([1, 2], {}))
+    assert err.value.reason == "aborted" and s.tm.calls == 3  # 1 try + max_abort_retries (2)
+
+
+def test_aborts_by_our_own_update_are_not_counted():
+    s = _session(["abort"] * 5 + ["ok"])
+    real = s.tm.generate_request
+
+    def during_update(obj, request):
+        s.updates_started += 1  # each abort happens while a weight update starts
+        return real(obj, request)
+
+    s.tm.generate_request = during_update
+    assert asyncio.run(s.sample_once([1], {}))["output_ids"] == [5] and s.tm.calls == 6
+
+
+def test_unanswered_request_times_out_and_is_aborted():
+    s = _session(["hang"])
+    with pytest.raises(GroupFailed) as err:
+        asyncio.run(s.sample_once([1], {}))
+    assert err.value.reason == "timeout" and len(s.tm.aborted) == 1
+
+
+def test_reward_exception_fails_the_group_as_score_error(tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def score(ds, sol, gt, extra):\n    raise KeyError('boom')\n")
+    s = _session(["ok"], f"reward.custom_function={bad}:score")
+    row = synthetic_rows("train", 1, levels=[1], heldout_fraction=0.1, seed=0)[0]
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "Answer: 1"
+
+    s.tokenizer = Tok()
+    out = {"output_ids": [5], "_start_version": 0, "_seconds": 0.1,
+           "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [(-0.1, 5)]}}
+    with pytest.raises(GroupFailed) as err:
+        s._score(row, out)
+    assert err.value.reason == "score_error" and "boom" in str(err.value)
+
+
+def test_prompt_truncation_follows_the_config():
+    long = list(range(100))
+    s = _session(["ok"], "data.max_prompt_length=64", "rollout.engine.context_length=512")
+    with pytest.raises(GroupFailed) as err:
+        s._fit(long, 3)
+    assert err.value.reason == "prompt_too_long"
+    s = _session(["ok"], "data.max_prompt_length=64", "data.truncation=left", "rollout.engine.context_length=512")
+    assert s._fit(long, 3) == list(range(36, 100))  # verl's left truncation keeps the last tokens
+    assert s._fit(long[:10], 3) == long[:10]
+
+
+@pytest.mark.parametrize("exc, reason", [
+    (GroupFailed("timeout", "x"), "timeout"), (OversizedMessage("big"), "oversized"),
+    (TimeoutError("hwm"), "send_timeout"), (RuntimeError("engine"), "engine_error"),
+])
+def test_failure_reasons(exc, reason):
+    assert failure_reason(exc) == reason
+
