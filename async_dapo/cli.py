@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             _eval(cfg)
         else:
             return _train(cfg, args.resume)
-    except (ConfigError, DatasetError) as exc:
+    except (ConfigError, DatasetError, FileNotFoundError) as exc:  # bad config, data or --resume path
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RunFailed as exc:  # the run cannot go on: one line, what failed and the last checkpoint

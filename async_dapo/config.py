@@ -465,10 +465,11 @@ class Config(_Section):
                 f"{self.learner.mini_batch_groups * ro.n}) must be >= placement.learner_ranks "
                 f"({pl.learner_ranks}): every rank needs at least one sample of each mini-batch"
             )
-        if ro.drain_timeout_s >= ws.timeout_s:
+        if ro.update_mode == "drain" and ro.drain_timeout_s >= ws.timeout_s:
             raise ValueError(
                 f"rollout.drain_timeout_s ({ro.drain_timeout_s:g}) must be < weight_sync.timeout_s "
-                f"({ws.timeout_s:g}): the engines' side of the weight group would time out first"
+                f"({ws.timeout_s:g}) with rollout.update_mode drain: the learner's side of the weight group "
+                "would time out while the engine still drains"
             )
         if pl.health_check_timeout_s + ws.timeout_s >= rp.silence_timeout_s:
             raise ValueError(
@@ -477,17 +478,20 @@ class Config(_Section):
                 "engine (stuck in a request or in a weight update) must be replaced before the learner gives "
                 "up waiting"
             )
+        # A push call on rank 0 may first join the previous push (up to 2 x weight_sync.timeout_s) and then
+        # broadcast (weight_sync.timeout_s): the call's bound must cover all three.
         for key, value in (("learner.collective_timeout_s", self.learner.collective_timeout_s),
-                           ("weight_sync.timeout_s", ws.timeout_s)):
+                           ("3 * weight_sync.timeout_s", 3 * ws.timeout_s)):
             if value > pl.call_timeout_s:
                 raise ValueError(
                     f"{key} ({value:g}) must be <= placement.call_timeout_s ({pl.call_timeout_s:g}): a call "
-                    "must outlive the collective it waits on, so the collective's own error surfaces"
+                    "must outlive the collectives it waits on, so their own error surfaces"
                 )
         if rp.ticket_ttl_s <= ro.request_timeout_s:
             raise ValueError(
                 f"replay.ticket_ttl_s ({rp.ticket_ttl_s:g}) must be > rollout.request_timeout_s "
-                f"({ro.request_timeout_s:g}): a group is only expired once its requests can no longer be running"
+                f"({ro.request_timeout_s:g}): a ticket must not expire while its first request may still run (a "
+                "group that still arrives after its ticket expired is dropped and counted, never trained twice)"
             )
         return self
 

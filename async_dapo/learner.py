@@ -87,8 +87,10 @@ class LearnerWorker:
         self.pad_id = self.model.config.pad_token_id or 0
         self._weight_pg = None
         self._weight_group_name = WEIGHT_GROUP
+        # The push in flight (rank 0): its sender thread and the result dict only that thread writes.
         self._push_thread: threading.Thread | None = None
-        self._push_result: dict[str, Any] = {}
+        self._push_state: dict[str, Any] = {}
+        self._push_result: dict[str, Any] = {}  # the last finished push
 
     def _build_model(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -250,10 +252,11 @@ class LearnerWorker:
 
     def close_weight_group(self) -> None:
         """Abandon the current weight-update group (an engine of it died): join the sender, whatever its
-        outcome, then destroy the group."""
-        if self._push_thread is not None:
-            self._push_thread.join(timeout=self.cfg.weight_sync.timeout_s)
-            self._push_thread = None
+        outcome (its broadcasts are bounded by the group's timeout), then destroy the group — never under
+        a sender that is still using it."""
+        if self._join_sender(self.cfg.weight_sync.timeout_s + 30) is not None:
+            raise RuntimeError(f"weight push of version {self._push_state['version']}: sender still busy; "
+                               "cannot rebuild the weight group")
         if self._weight_pg is not None:
             try:
                 close_update_group(self._weight_pg)
@@ -275,14 +278,20 @@ class LearnerWorker:
         Rank 0 returns once every bucket is handed to the sender thread, not when engines finished."""
         version = self.version if version is None else version
         t0 = time.perf_counter()
-        stall = self.wait_push() if self.rank == 0 else 0.0  # never overlap two pushes
+        stall = 0.0
+        if self.rank == 0:  # never overlap two pushes; never raise before the collective gather below
+            stall = time.perf_counter()
+            if (busy := self._join_sender(2 * self.cfg.weight_sync.timeout_s)) is not None:
+                raise RuntimeError(busy)  # only after the sender's own bounds failed: the group is unusable
+            stall = time.perf_counter() - stall
         dtype, buckets, by_name = self._push_plan()
         handoff: queue_mod.Queue | None = None
         if self.rank == 0:
             refs = [e.update_weights.remote(buckets, self._weight_group_name, version) for e in engines]
             handoff = queue_mod.Queue(maxsize=2)
-            self._push_thread = threading.Thread(target=self._send, args=(handoff, refs, replay, version),
-                                                 daemon=True)
+            self._push_state = {"version": version}
+            self._push_thread = threading.Thread(target=self._send, daemon=True,
+                                                 args=(handoff, refs, replay, version, self._push_state))
             self._push_thread.start()
         for b in buckets:
             # Collective gather. copy=True: with one rank (or when the dtype already matches) full_tensor()
@@ -306,7 +315,7 @@ class LearnerWorker:
             except queue_mod.Full:
                 continue
 
-    def _send(self, handoff: queue_mod.Queue, refs: list, replay, version: int) -> None:
+    def _send(self, handoff: queue_mod.Queue, refs: list, replay, version: int, state: dict[str, Any]) -> None:
         import ray
 
         t0 = time.perf_counter()
@@ -318,24 +327,31 @@ class LearnerWorker:
             engine_s = ray.get(refs, timeout=timeout)
             if replay is not None:
                 ray.get(replay.set_version.remote(version), timeout=timeout)  # the engines run `version` now
-            self._push_result = {"version": version, "push_s": time.perf_counter() - t0, "bytes": sent,
-                                 "engine_s": max(engine_s) if engine_s else 0.0, "error": ""}
+            state.update(push_s=time.perf_counter() - t0, bytes=sent,
+                         engine_s=max(engine_s) if engine_s else 0.0, error="")
         except Exception as exc:  # surfaced by wait_push: a failed push must fail the run loudly
-            self._push_result = {"version": version, "error": repr(exc)}
+            state.update(error=repr(exc))
+
+    def _join_sender(self, timeout_s: float) -> str | None:
+        """Join the push in flight (if any) and record its result; returns a message if it is still busy."""
+        if self._push_thread is None:
+            return None
+        self._push_thread.join(timeout=timeout_s)
+        if self._push_thread.is_alive():
+            return f"weight push of version {self._push_state['version']}: sender still busy after {timeout_s:.0f} s"
+        self._push_thread, self._push_result = None, dict(self._push_state)
+        return None
 
     def wait_push(self) -> float:
-        """Block until the previous push finished (rank 0), at most weight_sync.timeout_s plus the time to
-        join; returns the seconds waited. Raises if that push failed or is still running."""
+        """Block until the previous push finished (rank 0), at most 2 × weight_sync.timeout_s (the sender's
+        own waits are bounded by it); returns the seconds waited. Raises if that push failed or is still
+        running."""
         t0 = time.perf_counter()
-        if self._push_thread is not None:
-            self._push_thread.join(timeout=2 * self.cfg.weight_sync.timeout_s)
-            if self._push_thread.is_alive():
-                raise TimeoutError(f"weight push of version {self._push_result.get('version', '?')}: sender "
-                                   f"still busy after {2 * self.cfg.weight_sync.timeout_s:.0f} s")
-            self._push_thread = None
-            if self._push_result.get("error"):
-                raise RuntimeError(f"weight push of version {self._push_result['version']} failed: "
-                                   f"{self._push_result['error']}")
+        if (busy := self._join_sender(2 * self.cfg.weight_sync.timeout_s)) is not None:
+            raise TimeoutError(busy)
+        if error := self._push_result.get("error"):
+            self._push_result.update(error="", failed=error)  # reported once; a retried push starts clean
+            raise RuntimeError(f"weight push of version {self._push_result['version']} failed: {error}")
         return time.perf_counter() - t0
 
     def last_push(self) -> dict[str, Any]:

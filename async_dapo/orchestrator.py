@@ -24,7 +24,7 @@ from typing import Any
 from async_dapo.config import Config, dump_config
 from async_dapo.data import val_rows
 from async_dapo.metrics import MetricsWriter, progress_line, rewind_jsonl, step_metrics, val_subsets_line
-from async_dapo.supervise import ActorDied, EngineSupervisor, RunFailed
+from async_dapo.supervise import ActorDied, EngineSupervisor, RunFailed, WaitExpired
 
 log = logging.getLogger("async_dapo")
 
@@ -57,13 +57,16 @@ class Run:
         self._last: dict[str, Any] = {"gen_tokens": 0, "idle": 0.0, "t": time.perf_counter()}
         self._t_start = time.perf_counter()
         self._steps_done = 0
+        self._push_failed_before = False
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
         try:
             self._start()
-        except BaseException:
+        except BaseException as exc:
             self._shutdown()
+            if isinstance(exc, RunFailed):
+                raise RunFailed(f"{exc}; last checkpoint: {self.last_checkpoint()}") from None
             raise
         return self
 
@@ -106,6 +109,7 @@ class Run:
             self.step, self.version = int(meta["step"]), int(meta["version"])
             for name in ("metrics.jsonl", "prompts.jsonl"):  # the killed run's steps after the checkpoint
                 rewind_jsonl(self.run_dir / name, self.step)
+            discard_later_checkpoints(self.run_dir / "checkpoints", self.step)
         self.placed = place(cfg, initial_version=self.version)
         self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, on_replace=self._write_actors)
         self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard,
@@ -124,7 +128,7 @@ class Run:
         ckpt = self.ckpt
         versions = self.placed.on_learners("load_checkpoint", str(ckpt))
         if set(versions) != {self.version}:
-            raise RuntimeError(f"{ckpt}: learner ranks restored versions {versions}, meta.json says {self.version}")
+            raise RunFailed(f"{ckpt}: learner ranks restored versions {versions}, meta.json says {self.version}")
         self.placed.get(self.placed.replay.load_state_dict.remote(json.loads((ckpt / "replay.json").read_text())),
                         "replay state")
         self._push_now(self.version)  # engines restart from model.path: give them the restored weights first
@@ -191,14 +195,21 @@ class Run:
             f.write(line + "\n")
 
     def push_weights(self) -> None:
-        """Push the current weights. If the previous push failed (an engine died under it), let the
-        supervisor replace the engine, which pushes the current weights itself."""
+        """Push the current weights. If the previous push failed and an engine died or hung under it, the
+        supervisor replaces that engine (which pushes the current weights itself); if every engine is
+        healthy, the failure was transient and this push simply goes ahead (a second failure in a row
+        then stops the run)."""
         try:
             self.placed.wait_push()
         except RunFailed as exc:
-            if isinstance(exc, ActorDied) or not self.supervisor.check(self.version, self._push_now):
+            if isinstance(exc, ActorDied) or self._push_failed_before:
                 raise
-            return
+            self._push_failed_before = True
+            log.warning("%s; checking the engines", exc)
+            if self.supervisor.check(self.version, self._push_now):
+                return
+        else:
+            self._push_failed_before = False
         self.placed.push_weights(self.version)
 
     def _push_now(self, version: int) -> None:
@@ -236,11 +247,11 @@ class Run:
         try:
             res = self.placed.get(self.placed.engines[0].validate.remote(val_rows(self.cfg), lg.val_n, params),
                                   what, lg.val_timeout_s)
-        except (RunFailed, TimeoutError) as exc:  # the engine may have died: replace it, then try once more
-            if not self.supervisor.check(self.version, self._push_now):
-                raise RunFailed(f"{what}: {exc}") from None
-            res = self.placed.get(self.placed.engines[0].validate.remote(val_rows(self.cfg), lg.val_n, params),
-                                  what, lg.val_timeout_s)
+        except RunFailed as exc:  # engine 0 may have died: replace it; a metric never ends the run
+            if isinstance(exc, ActorDied) or not isinstance(exc, WaitExpired):
+                self.supervisor.check(self.version, self._push_now)
+            log.warning("%s skipped: %s", what, exc)
+            return
         self.metrics.write(step, res)
         log.info("val step %d (engine v%d): avg@%d %.3f pass@%d %.3f maj@%d %.3f  %s", step, int(res["val/version"]),
                  lg.val_n, res["val/avg_at_k"], lg.val_n, res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"],
@@ -249,6 +260,7 @@ class Run:
 
     def checkpoint(self, step: int) -> None:
         ckpt = self.run_dir / "checkpoints" / f"step_{step}"
+        (ckpt / "meta.json").unlink(missing_ok=True)  # re-saving a step: incomplete until meta is rewritten
         self.placed.on_learners("save_checkpoint", str(ckpt))
         state = self.placed.get(self.placed.replay.state_dict.remote(), "replay state")
         write_atomic(ckpt / "replay.json", json.dumps(state))
@@ -342,8 +354,19 @@ def read_batch(path: Path) -> list:
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints (incomplete ones never count toward them)."""
     import shutil
 
-    done = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+    done = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and _complete(p)),
+                  key=lambda p: int(p.name[5:]))
     for old in done[:-keep]:
         shutil.rmtree(old)
+
+
+def discard_later_checkpoints(root: Path, step: int) -> list[Path]:
+    """Resuming from ``step`` abandons the branch after it: its checkpoints are renamed
+    ``step_N.discarded-<time>`` so that neither ``--resume RUN_DIR`` nor the stop message ever points at them."""
+    later = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) > step]
+    for p in later:
+        p.rename(p.with_name(f"{p.name}.discarded-{time.strftime('%Y%m%d-%H%M%S')}"))
+    return later

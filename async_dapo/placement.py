@@ -17,7 +17,7 @@ from async_dapo.device import dist_backend
 from async_dapo.learner import WEIGHT_GROUP, learner_actor_class, learner_device
 from async_dapo.replay_service import replay_actor_class
 from async_dapo.rollout import rollout_actor_class
-from async_dapo.supervise import ActorDied, RunFailed, cause_of, wait_all
+from async_dapo.supervise import ActorDied, RunFailed, WaitExpired, cause_of, wait_all
 
 log = logging.getLogger("async_dapo")
 
@@ -42,7 +42,11 @@ def _endpoint(cfg: Config, pg, bundle: int) -> tuple[str, int]:
         return host, free_port(host)
 
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-    return ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=cfg.placement.start_timeout_s)
+    try:
+        return ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=cfg.placement.start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise WaitExpired(f"rendezvous endpoint on bundle {bundle}: no answer in "
+                          f"{cfg.placement.start_timeout_s:.0f} s") from None
 
 
 @dataclass
@@ -62,7 +66,7 @@ class Placed:
         try:
             return ray.get(refs, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{what}: no answer in {timeout_s:.0f} s") from None
+            raise WaitExpired(f"{what}: no answer in {timeout_s:.0f} s") from None
         except ray.exceptions.RayActorError as exc:
             raise ActorDied(f"{what}: actor died ({cause_of(exc)})") from None
         except ray.exceptions.RayTaskError as exc:

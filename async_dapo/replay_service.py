@@ -91,7 +91,7 @@ class ReplayService:
         self.abandoned: Counter[str] = Counter()
         self.wait_seconds = {"admit": 0.0, "batch": 0.0}
         self.unexpected = 0  # valid groups for tickets that are not outstanding
-        self.last_arrival = time.monotonic()
+        self.last_arrival = time.monotonic()  # or the moment a group was last expected again (silent_s)
         self._since_batch: Counter[str] = Counter()  # arrival outcomes since the last hand-out
 
     def _cond(self) -> asyncio.Condition:
@@ -181,6 +181,8 @@ class ReplayService:
             if incarnation is not None and self.producers.get(engine_rank) != incarnation:
                 return []
             n = min(max_prompts, self.policy.capacity_to_admit())
+            if self.policy.stats.running == 0:  # nothing was expected until now: silence starts here
+                self.last_arrival = time.monotonic()
             self.policy.admit(n)
         now = time.monotonic()
         tickets = [Ticket(f"{e}-{i}-{next(self._serial)}", e, i, self.version.value, engine_rank, now)
@@ -229,7 +231,12 @@ class ReplayService:
         if batch:
             self._since_batch.clear()
             return {"batch": batch}
-        return {"batch": None, "problem": self._problem(), "silent_s": time.monotonic() - self.last_arrival}
+        return {"batch": None, "problem": self._problem(), "silent_s": self.silent_s()}
+
+    def silent_s(self) -> float:
+        """Seconds without a group while groups are expected (running > 0): time when nothing could arrive
+        (the window is full and the learner is training, validating or checkpointing) is not silence."""
+        return time.monotonic() - self.last_arrival if self.policy.stats.running else 0.0
 
     def _problem(self) -> str | None:
         if self._receiving is not None and self._receiving.done():
@@ -255,7 +262,7 @@ class ReplayService:
                 "rejected_unexpected": self.unexpected, "version": self.version.value,
                 "admission_limit": self.policy.admission_limit(), "capacity_to_admit": self.policy.capacity_to_admit(),
                 "wait_admit_s": self.wait_seconds["admit"], "wait_batch_s": self.wait_seconds["batch"],
-                "silent_s": time.monotonic() - self.last_arrival}
+                "silent_s": self.silent_s()}
 
     async def state_dict(self) -> dict[str, Any]:
         """Checkpointable state: the cursor with every admitted-but-untrained prompt given back."""

@@ -127,11 +127,11 @@ class _Session:
         return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                 "max_new_tokens": r.max_response_length}
 
-    async def _request(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    async def _request(self, prompt_ids: list[int], params: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
         """One engine request, bounded by ``rollout.request_timeout_s`` (aborted on expiry)."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        rid = uuid.uuid4().hex
+        rid = rid or uuid.uuid4().hex
         obj = GenerateReqInput(input_ids=list(prompt_ids), sampling_params=dict(params), return_logprob=True, rid=rid)
         timeout = self.cfg.rollout.request_timeout_s
         try:
@@ -263,16 +263,33 @@ class _Session:
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
 
-    async def probe(self) -> None:
-        """Heartbeat: one 1-token request through the whole engine (slime's /health_generate). While a
-        weight update holds requests back the scheduler is legitimately busy loading; the engine then
-        counts as hung only once the update has run past weight_sync.timeout_s, its own bound."""
+    async def probe(self, timeout_s: float) -> None:
+        """Heartbeat, as SGLang's /health_generate: send a 1-token request; the engine is alive if that
+        request finishes or ANY output reaches the tokenizer manager within ``timeout_s`` (a loaded engine
+        queues the probe behind its own work, but keeps producing). While a weight update holds requests
+        back the scheduler is legitimately busy loading: the engine then counts as hung only once the update
+        has run past weight_sync.timeout_s, its own bound."""
         if self.update_started_at is not None:
             age = time.monotonic() - self.update_started_at
             if age > self.cfg.weight_sync.timeout_s:
                 raise RuntimeError(f"weight update stuck for {age:.0f} s (weight_sync.timeout_s)")
             return
-        await self._request([self.tokenizer.eos_token_id or 0], {"max_new_tokens": 1, "temperature": 0.0})
+        t0, rid = time.time(), f"probe-{uuid.uuid4().hex}"
+        task = asyncio.ensure_future(self._request([self.tokenizer.eos_token_id or 0],
+                                                   {"max_new_tokens": 1, "temperature": 0.0}, rid))
+        try:
+            while time.time() - t0 < timeout_s:
+                if task.done():
+                    task.result()
+                    return
+                if self.tm.last_receive_tstamp > t0:
+                    return
+                await asyncio.sleep(0.1)
+            raise RuntimeError(f"no output from the engine in {timeout_s:.0f} s (hung)")
+        finally:
+            if not task.done():  # a probe must not linger in the request table (drain waits on it)
+                self.tm.abort_request(rid)
+                task.cancel()
 
     # ------------------------------------------------------------------ weights
     async def join(self, obj) -> None:
@@ -387,14 +404,14 @@ class RolloutWorker:
         self._producer = asyncio.run_coroutine_threadsafe(self.session.produce(queue), self.loop)
 
     def health(self, timeout_s: float) -> dict[str, float]:
-        """Raise if the producer task ended or the engine does not finish a 1-token request in ``timeout_s``;
-        else return the stats."""
+        """Raise if the producer task ended or the engine shows no sign of life in ``timeout_s`` (see
+        ``_Session.probe``); else return the stats."""
         if self._producer is not None and self._producer.done():
             raise RuntimeError(f"engine {self.session.rank}: producer ended: {self._producer.exception()!r}")
         try:
-            self._call(self.session.probe(), timeout_s)
-        except TimeoutError:  # concurrent.futures' timeout is this builtin since Python 3.11
-            raise RuntimeError(f"no answer to a 1-token request in {timeout_s:.0f} s (hung)") from None
+            self._call(self.session.probe(timeout_s), timeout_s + 5)
+        except TimeoutError:  # the engine's event loop itself is stuck (concurrent.futures' timeout)
+            raise RuntimeError(f"the engine's event loop did not answer in {timeout_s + 5:.0f} s (hung)") from None
         return self.get_stats()
 
     def leave_weight_group(self, group_name: str) -> None:
@@ -415,8 +432,9 @@ class RolloutWorker:
         mode = mode or self.session.cfg.rollout.update_mode
         if mode not in ("inflight", "drain", "abort"):
             raise ValueError(f"mode: unknown update mode {mode!r}")
-        return self._call(self.session.update(buckets, group_name, version, mode),
-                          self.session.cfg.weight_sync.timeout_s + self.session.cfg.rollout.drain_timeout_s)
+        cfg = self.session.cfg
+        drain = cfg.rollout.drain_timeout_s if mode == "drain" else 0.0
+        return self._call(self.session.update(buckets, group_name, version, mode), cfg.weight_sync.timeout_s + drain)
 
     def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         """Plain sampling for validation and tests (not admitted through the queue)."""

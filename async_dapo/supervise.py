@@ -32,9 +32,13 @@ class ActorDied(RunFailed):
     """An actor's process is gone (killed, crashed, its node lost)."""
 
 
+class WaitExpired(RunFailed):
+    """A bounded wait ran out; the message names what it waited for."""
+
+
 def wait_all(refs: list, names: list[str], *, what: str, timeout_s: float) -> list[Any]:
     """Results of ``refs`` in order. Fails fast, naming the actor, when one of them errors or its actor died
-    (the others may be blocked in a collective with it); raises TimeoutError naming the actors still
+    (the others may be blocked in a collective with it); raises WaitExpired naming the actors still
     pending after ``timeout_s``."""
     import ray
 
@@ -44,7 +48,7 @@ def wait_all(refs: list, names: list[str], *, what: str, timeout_s: float) -> li
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             late = ", ".join(names[index[r]] for r in pending)
-            raise TimeoutError(f"{what}: no answer from {late} in {timeout_s:.0f} s")
+            raise WaitExpired(f"{what}: no answer from {late} in {timeout_s:.0f} s")
         try:
             ray.get(ready[0])
         except ray.exceptions.RayActorError as exc:
@@ -76,11 +80,11 @@ class EngineSupervisor:
         return time.monotonic() >= self._next_check
 
     def check(self, version: int, push) -> int:
-        """Heartbeat every engine; replace each that failed. ``push(version)`` pushes the current weights
+        """Heartbeat every engine; replace all that failed. ``push(version)`` pushes the current weights
         to every engine and waits for the load. Returns the number replaced."""
         failed = self.failed_engines()
-        for index, reason in failed:
-            self.replace(index, reason, version, push)
+        if failed:
+            self.replace(failed, version, push)
         self._next_check = time.monotonic() + self.cfg.placement.health_check_interval_s
         return len(failed)
 
@@ -89,7 +93,7 @@ class EngineSupervisor:
 
         timeout = self.cfg.placement.health_check_timeout_s
         refs = [e.health.remote(timeout) for e in self.placed.engines]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout + 5)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout + 10)
         failed = []
         for i, ref in enumerate(refs):
             if ref not in ready:
@@ -103,28 +107,33 @@ class EngineSupervisor:
                 failed.append((i, f"unhealthy: {cause_of(exc)}"))
         return failed
 
-    def replace(self, index: int, reason: str, version: int, push) -> None:
+    def replace(self, failed: list[tuple[int, str]], version: int, push) -> None:
+        """Replace every failed engine at once: kill and release each, start the replacements, then rebuild
+        the weight group ONCE with all engines (a group naming a still-dead engine would wait for it),
+        push the current weights, and only then let the replacements admit prompts."""
         import ray
 
         t0 = time.monotonic()
-        name = f"rollout actor {index}"
-        if self.restarts >= self.cfg.placement.max_engine_restarts:
-            raise RunFailed(f"{name} failed: {reason}; placement.max_engine_restarts "
-                            f"({self.cfg.placement.max_engine_restarts}) exhausted; last checkpoint: "
-                            f"{self.last_checkpoint()}")
-        self.restarts += 1
-        log.warning("%s failed: %s; replacing it (restart %d of %d)", name, reason, self.restarts,
-                    self.cfg.placement.max_engine_restarts)
-        ray.kill(self.placed.engines[index], no_restart=True)
-        released = self.placed.get(self.placed.replay.release_engine.remote(index, "actor_failed"), "release prompts")
-        self.placed.engines[index] = self.placed.new_engine(index, version)
+        limit = self.cfg.placement.max_engine_restarts
+        names = ", ".join(f"rollout actor {i} failed: {reason}" for i, reason in failed)
+        if self.restarts + len(failed) > limit:
+            raise RunFailed(f"{names}; placement.max_engine_restarts ({limit}) exhausted")
+        self.restarts += len(failed)
+        log.warning("%s; replacing (restarts used: %d of %d)", names, self.restarts, limit)
+        released = 0
+        for index, _ in failed:
+            ray.kill(self.placed.engines[index], no_restart=True)
+            released += self.placed.get(self.placed.replay.release_engine.remote(index, "actor_failed"),
+                                        "release prompts")
+        for index, _ in failed:
+            self.placed.engines[index] = self.placed.new_engine(index, version)
         self.placed.rebuild_weight_group()
-        push(version)  # the replacement loads the current weights before it generates
-        self.placed.start_rollouts([index])
-        record = {"engine": index, "reason": reason, "released_prompts": released, "version": version,
-                  "recovery_s": time.monotonic() - t0}
+        push(version)  # the replacements load the current weights before they generate
+        self.placed.start_rollouts([index for index, _ in failed])
+        record = {"engines": [i for i, _ in failed], "reasons": [r for _, r in failed], "released_prompts": released,
+                  "version": version, "recovery_s": time.monotonic() - t0}
         self.replaced.append(record)
+        log.warning("rollout actor(s) %s replaced in %.1f s at version %d; %d in-flight prompts returned to the "
+                    "cursor", record["engines"], record["recovery_s"], version, released)
         if self.on_replace is not None:
             self.on_replace()
-        log.warning("%s replaced in %.1f s at version %d; %d in-flight prompts returned to the cursor",
-                    name, record["recovery_s"], version, released)

@@ -29,10 +29,10 @@ Authentication (only the run's own producers are heard):
     or tampered with in flight.
   - ``secret=None`` on both ends keeps the unsigned format (unit tests, back-compat). Both ends
     must agree: a signed frame at an unsigned receiver is not msgpack, and vice versa.
-  - This authenticates, it does not encrypt, and there is no replay protection: someone who can
-    read the run's traffic can re-send a captured frame (it can only repeat a group this run
-    produced, but the queue does not deduplicate group ids). HMAC stops foreign and tampered
-    input; keep the socket on a trusted network for the rest.
+  - This authenticates, it does not encrypt, and the socket layer has no replay protection:
+    someone who can read the run's traffic can re-send a captured frame. It can only repeat a
+    group this run produced, and the replay queue drops it (its ticket was used by the first
+    copy: ``rejected_unexpected``). Keep the socket on a trusted network for confidentiality.
 
 Limits on hostile or broken input (the receiver never raises on bad input):
   - Each message is checked in this order and counted under the first reason that applies

@@ -30,7 +30,7 @@ SMALL = ["--set", "logging.val_every_steps=0", "--set", "checkpoint.export_hf=fa
          "--set", "rollout.max_inflight_prompts=32"]
 # Fast fault detection for a 0.4M-parameter model (a push takes ~0.02 s, a request well under 1 s).
 FAST = ["--set", "placement.health_check_interval_s=2", "--set", "placement.health_check_timeout_s=10",
-        "--set", "weight_sync.timeout_s=20", "--set", "rollout.drain_timeout_s=10",
+        "--set", "weight_sync.timeout_s=20",
         "--set", "replay.silence_timeout_s=90"]
 
 

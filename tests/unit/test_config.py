@@ -155,9 +155,9 @@ RULES = {
         ["rollout.n=2", "learner.mini_batch_groups=8", "placement.learner_ranks=16"],
     ),
     "drain_before_weight_sync_timeout": (
-        ["rollout.drain_timeout_s=600", "weight_sync.timeout_s=600"],
-        ["rollout.drain_timeout_s", "weight_sync.timeout_s"],
-        ["rollout.drain_timeout_s=599", "weight_sync.timeout_s=600"],
+        ["rollout.update_mode=drain", "rollout.drain_timeout_s=600", "weight_sync.timeout_s=600"],
+        ["rollout.drain_timeout_s", "weight_sync.timeout_s", "update_mode drain"],
+        ["rollout.update_mode=inflight", "rollout.drain_timeout_s=600", "weight_sync.timeout_s=600"],
     ),
     "health_check_before_silence": (
         ["placement.health_check_timeout_s=300", "weight_sync.timeout_s=600", "replay.silence_timeout_s=900"],
@@ -170,9 +170,9 @@ RULES = {
         ["learner.collective_timeout_s=1800", "placement.call_timeout_s=1800"],
     ),
     "call_outlives_weight_sync": (
-        ["weight_sync.timeout_s=1801", "placement.call_timeout_s=1800", "replay.silence_timeout_s=3000"],
-        ["weight_sync.timeout_s", "placement.call_timeout_s"],
-        ["weight_sync.timeout_s=1800", "placement.call_timeout_s=1800", "replay.silence_timeout_s=3000"],
+        ["weight_sync.timeout_s=601", "placement.call_timeout_s=1800"],
+        ["3 * weight_sync.timeout_s (1803)", "placement.call_timeout_s"],
+        ["weight_sync.timeout_s=600", "placement.call_timeout_s=1800"],
     ),
     "ticket_outlives_request": (
         ["replay.ticket_ttl_s=600", "rollout.request_timeout_s=600"],

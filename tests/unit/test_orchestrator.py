@@ -61,3 +61,27 @@ def test_rewind_keeps_exactly_the_rows_up_to_the_checkpoint(tmp_path):
     assert rewind_jsonl(path, 3) == 3  # steps 4, 5 and the step-4 validation row
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
     assert rewind_jsonl(tmp_path / "absent.jsonl", 3) == 0
+
+
+def test_resuming_an_earlier_checkpoint_discards_the_later_branch_and_prune_counts_complete_only(tmp_path):
+    import json
+
+    from async_dapo.orchestrator import _checkpoint_to_resume, _prune, discard_later_checkpoints
+
+    root = tmp_path / "run" / "checkpoints"
+    for step in (2, 4, 6):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "replay.json").write_text("{}")
+        (root / f"step_{step}" / "meta.json").write_text(json.dumps({"step": step, "version": step}))
+    (root / "step_8").mkdir()  # incomplete: no metadata
+    moved = discard_later_checkpoints(root, 2)  # --resume run/checkpoints/step_2
+    assert sorted(p.name for p in moved) == ["step_4", "step_6", "step_8"]
+    assert _checkpoint_to_resume(tmp_path / "run") == root / "step_2"  # never the abandoned branch
+    for step in (4, 6):
+        (root / f"step_{step}").mkdir()
+        (root / f"step_{step}" / "replay.json").write_text("{}")
+        (root / f"step_{step}" / "meta.json").write_text(json.dumps({"step": step, "version": step}))
+    (root / "step_7").mkdir()  # incomplete, newer than 6: must not push a complete one out
+    _prune(root, 2)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and "." not in p.name) == [
+        "step_4", "step_6", "step_7"]
