@@ -75,7 +75,10 @@ def _eval(cfg: Config) -> None:
 
 
 def _train(cfg: Config, resume: Path | None) -> int:
+    from async_dapo.metrics import PhaseClock
     from async_dapo.orchestrator import train
+
+    clock = PhaseClock()
 
     if resume is not None:
         # A resumed run keeps its own directory (RUN_DIR, or the run owning RUN_DIR/checkpoints/step_N);
@@ -83,8 +86,9 @@ def _train(cfg: Config, resume: Path | None) -> int:
         run_dir = resume.parent.parent if resume.parent.name == "checkpoints" else resume
         cfg = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"run_dir": run_dir})})
     if cfg.model.bootstrap is not None:
-        _bootstrap(cfg)
-    result = train(cfg, resume)
+        with clock.phase("bootstrap"):
+            _bootstrap(cfg)
+    result = train(cfg, resume, clock)
     log.info("done: %s", json.dumps({k: round(v, 4) for k, v in result.items()}))
     return 0
 

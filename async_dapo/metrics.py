@@ -8,6 +8,7 @@ them into tags; :class:`MetricsWriter` writes them to ``run_dir/tb`` and appends
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -131,3 +132,46 @@ def val_subsets_line(metrics: dict[str, float]) -> str:
     """'L1 0.612 L2 0.071 ...': the per-subset avg@k of a validation, for its log line."""
     prefix = "val/avg_at_k/"
     return " ".join(f"{k[len(prefix):]} {v:.3f}" for k, v in metrics.items() if k.startswith(prefix))
+
+
+class PhaseClock:
+    """Wall time of a run by phase. Phases nest: entering one pauses the enclosing phase, so the totals
+    add up to the wall time (the rest is reported as ``other``)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.totals: dict[str, float] = {}
+        self._stack: list[list] = []  # [name, since]
+
+    def _charge(self, entry: list, now: float) -> None:
+        self.totals[entry[0]] = self.totals.get(entry[0], 0.0) + now - entry[1]
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        now = time.perf_counter()
+        if self._stack:
+            self._charge(self._stack[-1], now)
+        self._stack.append([name, now])
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            self._charge(self._stack.pop(), now)
+            if self._stack:
+                self._stack[-1][1] = now
+
+    def metrics(self) -> dict[str, float]:
+        """``time/<phase>_s`` for every phase, ``time/other_s`` and ``time/total_s``."""
+        total = time.perf_counter() - self.start
+        out = {f"time/{k}_s": v for k, v in self.totals.items()}
+        out["time/other_s"] = max(0.0, total - sum(self.totals.values()))
+        out["time/total_s"] = total
+        return out
+
+    def table(self) -> str:
+        """One line per phase: seconds and share of the wall time, largest first."""
+        m = self.metrics()
+        total = max(m.pop("time/total_s"), 1e-9)
+        rows = sorted(m.items(), key=lambda kv: -kv[1])
+        lines = [f"  {k[5:-2]:<18} {v:8.1f} s  {v / total:6.1%}" for k, v in rows]
+        return "\n".join(["wall time by phase:", *lines, f"  {'total':<18} {total:8.1f} s"])

@@ -23,15 +23,16 @@ from typing import Any
 
 from async_dapo.config import Config, dump_config
 from async_dapo.data import val_rows
-from async_dapo.metrics import MetricsWriter, progress_line, rewind_jsonl, step_metrics, val_subsets_line
+from async_dapo.metrics import MetricsWriter, PhaseClock, progress_line, rewind_jsonl, step_metrics, val_subsets_line
 from async_dapo.supervise import ActorDied, EngineSupervisor, RunFailed, WaitExpired
 
 log = logging.getLogger("async_dapo")
 
 
-def train(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
-    """Run DAPO training as configured; returns the last step's metrics. RunFailed: the run cannot go on."""
-    with Run(cfg, resume) as run:
+def train(cfg: Config, resume: Path | None = None, clock: PhaseClock | None = None) -> dict[str, Any]:
+    """Run DAPO training as configured; returns the last step's metrics. RunFailed: the run cannot go on.
+    ``clock`` (the CLI's, which already timed the bootstrap) receives the wall time by phase."""
+    with Run(cfg, resume, clock) as run:
         for step in range(run.step + 1, cfg.learner.total_steps + 1):
             t0 = time.perf_counter()
             batch = run.next_batch()                       # B fresh, mixed-outcome groups (engines supervised)
@@ -49,8 +50,9 @@ def train(cfg: Config, resume: Path | None = None) -> dict[str, Any]:
 class Run:
     """The placed actors of one run and the operations the loop calls (each one short)."""
 
-    def __init__(self, cfg: Config, resume: Path | None) -> None:
+    def __init__(self, cfg: Config, resume: Path | None, clock: PhaseClock | None = None) -> None:
         self.cfg, self.resume = cfg, resume
+        self.clock = clock or PhaseClock()
         self.run_dir = Path(cfg.logging.run_dir)
         self.step, self.version = 0, 0
         self._started_ray = False
@@ -72,6 +74,7 @@ class Run:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._shutdown()
+        log.info(self.clock.table())
         if isinstance(exc, RunFailed):  # one line: what failed, where to resume from
             raise RunFailed(f"{exc}; last checkpoint: {self.last_checkpoint()}") from None
 
@@ -93,13 +96,15 @@ class Run:
 
         cfg = self.cfg
         seed_everything(cfg.logging.seed)
-        check_reward_function(cfg)  # before anything starts: a bad config costs seconds, not a cluster
-        check_prompts(cfg)
+        with self.clock.phase("preflight"):
+            check_reward_function(cfg)  # before anything starts: a bad config costs seconds, not a cluster
+            check_prompts(cfg)
         if self.resume is None and (moved := archive_previous_run(self.run_dir)) is not None:
             log.info("run_dir %s held an earlier run: moved it to %s", self.run_dir, moved)
         dump_config(cfg, self.run_dir / "config.yaml")
         if not ray.is_initialized():
-            ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
+            with self.clock.phase("ray_start"):
+                ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
             self._started_ray = True
         # After ray.init, which installs a SIGTERM handler of its own that skips our cleanup.
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -110,13 +115,16 @@ class Run:
             for name in ("metrics.jsonl", "prompts.jsonl"):  # the killed run's steps after the checkpoint
                 rewind_jsonl(self.run_dir / name, self.step)
             discard_later_checkpoints(self.run_dir / "checkpoints", self.step)
-        self.placed = place(cfg, initial_version=self.version)
-        self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, on_replace=self._write_actors)
+        with self.clock.phase("placement"):
+            self.placed = place(cfg, initial_version=self.version)
+        self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, on_replace=self._write_actors,
+                                           clock=self.clock)
         self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard,
                                      purge_step=self.step + 1 if self.resume is not None else None)
-        if self.resume is not None:
-            self._restore()
-        self.placed.start_rollouts()
+        with self.clock.phase("placement"):
+            if self.resume is not None:
+                self._restore()
+            self.placed.start_rollouts()
         self._write_actors()
         self._last["t"] = self._t_start = time.perf_counter()
         if self.step == 0 and cfg.logging.val_every_steps:
@@ -135,18 +143,26 @@ class Run:
         log.info("resumed from %s at step %d, version %d", ckpt, self.step, self.version)
 
     def _shutdown(self) -> None:
+        """End every actor and our own Ray instance; then record the wall time by phase (metrics.jsonl
+        and TensorBoard, at the last step) and close the writers."""
         import ray
 
-        placed = getattr(self, "placed", None)
-        if placed is not None:
-            placed.shutdown()
+        with self.clock.phase("shutdown"):
+            placed = getattr(self, "placed", None)
+            if placed is not None:
+                placed.shutdown()
+            if self._started_ray and ray.is_initialized():
+                ray.shutdown()
         if getattr(self, "metrics", None) is not None:
+            self.metrics.write(self.step, self.clock.metrics())
             self.metrics.close()
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
 
     # ------------------------------------------------------------------ loop operations
     def next_batch(self) -> list:
+        with self.clock.phase("waiting_for_data"):
+            return self._next_batch()
+
+    def _next_batch(self) -> list:
         t0 = time.perf_counter()
         if self.cfg.data.replay_batches is not None:
             batch = read_batch(Path(self.cfg.data.replay_batches) / f"step_{self.step + 1}.bin")
@@ -179,7 +195,8 @@ class Run:
                                 f"{q['depth']} queued, admission capacity {q['capacity_to_admit']}")
 
     def train(self, batch: list) -> dict[str, float]:
-        stats = self.placed.on_learners("train_step", batch)[0]
+        with self.clock.phase("training"):
+            stats = self.placed.on_learners("train_step", batch)[0]
         self.version = int(stats["version"])
         self._write_prompts(batch)
         return stats
@@ -199,6 +216,10 @@ class Run:
         supervisor replaces that engine (which pushes the current weights itself); if every engine is
         healthy, the failure was transient and this push simply goes ahead (a second failure in a row
         then stops the run)."""
+        with self.clock.phase("weight_push"):
+            self._push_weights()
+
+    def _push_weights(self) -> None:
         try:
             self.placed.wait_push()
         except RunFailed as exc:
@@ -240,6 +261,10 @@ class Run:
         self.last_metrics = m
 
     def validate(self, step: int) -> None:
+        with self.clock.phase("validation"):
+            self._validate(step)
+
+    def _validate(self, step: int) -> None:
         lg = self.cfg.logging
         params = {"temperature": lg.val_temperature, "top_p": lg.val_top_p,
                   "max_new_tokens": self.cfg.rollout.max_response_length}
@@ -259,6 +284,10 @@ class Run:
         self.last_val = res
 
     def checkpoint(self, step: int) -> None:
+        with self.clock.phase("checkpoint"):
+            self._checkpoint(step)
+
+    def _checkpoint(self, step: int) -> None:
         ckpt = self.run_dir / "checkpoints" / f"step_{step}"
         (ckpt / "meta.json").unlink(missing_ok=True)  # re-saving a step: incomplete until meta is rewritten
         self.placed.on_learners("save_checkpoint", str(ckpt))

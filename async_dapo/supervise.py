@@ -17,6 +17,7 @@ silent engine, restart it with current weights):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -68,10 +69,11 @@ def cause_of(exc: BaseException) -> str:
 class EngineSupervisor:
     """Heartbeats the rollout actors of a :class:`~async_dapo.placement.Placed` and replaces failed ones."""
 
-    def __init__(self, placed, last_checkpoint, on_replace=None) -> None:
+    def __init__(self, placed, last_checkpoint, on_replace=None, clock=None) -> None:
         self.placed, self.cfg = placed, placed.cfg
         self.last_checkpoint = last_checkpoint  # () -> str, for the stop message
         self.on_replace = on_replace  # () -> None, after each replacement (the orchestrator rewrites actors.json)
+        self.clock = clock  # metrics.PhaseClock: heartbeats and replacements are their own phase
         self.restarts = 0
         self.replaced: list[dict[str, Any]] = []  # one record per replacement, for docs and tests
         self._next_check = time.monotonic() + self.cfg.placement.health_check_interval_s
@@ -82,9 +84,10 @@ class EngineSupervisor:
     def check(self, version: int, push) -> int:
         """Heartbeat every engine; replace all that failed. ``push(version)`` pushes the current weights
         to every engine and waits for the load. Returns the number replaced."""
-        failed = self.failed_engines()
-        if failed:
-            self.replace(failed, version, push)
+        with self.clock.phase("supervision") if self.clock else contextlib.nullcontext():
+            failed = self.failed_engines()
+            if failed:
+                self.replace(failed, version, push)
         self._next_check = time.monotonic() + self.cfg.placement.health_check_interval_s
         return len(failed)
 

@@ -85,3 +85,17 @@ def test_resuming_an_earlier_checkpoint_discards_the_later_branch_and_prune_coun
     _prune(root, 2)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and "." not in p.name) == [
         "step_4", "step_6", "step_7"]
+
+
+def test_phase_clock_nests_without_double_counting(monkeypatch):
+    from async_dapo import metrics
+
+    ticks = iter([0.0, 1.0, 3.0, 6.0, 10.0, 15.0, 21.0])  # start, enter a, enter b, leave b, leave a, ...
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(ticks))
+    clock = metrics.PhaseClock()  # t = 0
+    with clock.phase("a"):  # t = 1
+        with clock.phase("b"):  # t = 3: a gets 2 s
+            pass  # leave b at t = 6: b gets 3 s
+        # leave a at t = 10: a gets 4 s more
+    got = clock.metrics()  # t = 15
+    assert got == {"time/a_s": 6.0, "time/b_s": 3.0, "time/other_s": 6.0, "time/total_s": 15.0}
