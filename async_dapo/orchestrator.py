@@ -190,9 +190,11 @@ class Run:
             if got["silent_s"] > rc.silence_timeout_s:
                 q = self.placed.get(self.placed.replay.stats.remote(), "replay stats")
                 alive = len(self.placed.engines) - len(self.supervisor.failed_engines())
+                why = ", ".join(f"{v} {k[10:]}" for k, v in q.items() if k.startswith("abandoned/")) or "none"
                 raise RunFailed(f"no group for {got['silent_s']:.0f} s (replay.silence_timeout_s); {alive} of "
                                 f"{len(self.placed.engines)} rollout actors alive; {q['running']} running, "
-                                f"{q['depth']} queued, admission capacity {q['capacity_to_admit']}")
+                                f"{q['depth']} queued, admission capacity {q['capacity_to_admit']}; "
+                                f"abandoned: {why}")
 
     def train(self, batch: list) -> dict[str, float]:
         with self.clock.phase("training"):
