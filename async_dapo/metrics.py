@@ -116,16 +116,26 @@ class MetricsWriter:
 def rewind_jsonl(path: Path, step: int) -> int:
     """Drop the rows of ``path`` whose ``step`` is after ``step`` (a run resumed from that checkpoint
     writes them again), atomically; returns how many were dropped. Rows are JSON objects with "step"."""
-    import os
-
     if not path.exists():
         return 0
     lines = path.read_text().splitlines()
     keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(line + "\n" for line in keep))
     return len(lines) - len(keep)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one, never a torn
+    one: write a temporary file beside it, flush it to disk, then rename over (atomic on POSIX)."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def val_subsets_line(metrics: dict[str, float]) -> str:

@@ -23,7 +23,9 @@ from typing import Any
 
 from async_dapo.config import Config, dump_config
 from async_dapo.data import val_rows
-from async_dapo.metrics import MetricsWriter, PhaseClock, progress_line, rewind_jsonl, step_metrics, val_subsets_line
+from async_dapo.metrics import (
+    MetricsWriter, PhaseClock, progress_line, rewind_jsonl, step_metrics, val_subsets_line, write_atomic,
+)
 from async_dapo.supervise import ActorDied, EngineSupervisor, RunFailed, WaitExpired
 
 log = logging.getLogger("async_dapo")
@@ -326,20 +328,6 @@ def archive_previous_run(run_dir: Path) -> Path | None:
     return moved
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one, never a torn
-    one: write a temporary file beside it, flush it to disk, then rename over (atomic on POSIX)."""
-    import os
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _complete(ckpt: Path) -> bool:
     """A checkpoint counts only with its metadata (written last, atomically) and its replay state."""
     try:
@@ -349,9 +337,14 @@ def _complete(ckpt: Path) -> bool:
         return False
 
 
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_<N>`` checkpoint directory under ``root``, oldest first."""
+    return sorted((int(p.name[5:]), p) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
 def _latest_complete(root: Path) -> Path | None:
-    done = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and _complete(p)]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+    done = [p for _, p in _step_dirs(root) if _complete(p)]
+    return done[-1] if done else None
 
 
 def _checkpoint_to_resume(path: Path) -> Path:
@@ -388,8 +381,7 @@ def _prune(root: Path, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints (incomplete ones never count toward them)."""
     import shutil
 
-    done = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and _complete(p)),
-                  key=lambda p: int(p.name[5:]))
+    done = [p for _, p in _step_dirs(root) if _complete(p)]
     for old in done[:-keep]:
         shutil.rmtree(old)
 
@@ -397,7 +389,7 @@ def _prune(root: Path, keep: int) -> None:
 def discard_later_checkpoints(root: Path, step: int) -> list[Path]:
     """Resuming from ``step`` abandons the branch after it: its checkpoints are renamed
     ``step_N.discarded-<time>`` so that neither ``--resume RUN_DIR`` nor the stop message ever points at them."""
-    later = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) > step]
+    later = [p for n, p in _step_dirs(root) if n > step]
     for p in later:
         p.rename(p.with_name(f"{p.name}.discarded-{time.strftime('%Y%m%d-%H%M%S')}"))
     return later

@@ -51,12 +51,12 @@ def wait_all(refs: list, names: list[str], *, what: str, timeout_s: float) -> li
             late = ", ".join(names[index[r]] for r in pending)
             raise WaitExpired(f"{what}: no answer from {late} in {timeout_s:.0f} s")
         try:
-            ray.get(ready[0])
+            ray.get(ready[0])  # ready: returns at once (raises if that call failed)
         except ray.exceptions.RayActorError as exc:
             raise ActorDied(f"{what}: {names[index[ready[0]]]} died ({cause_of(exc)})") from None
         except ray.exceptions.RayTaskError as exc:
             raise RunFailed(f"{what}: {names[index[ready[0]]]} failed: {cause_of(exc)}") from None
-    return ray.get(list(refs))
+    return ray.get(list(refs))  # all ready by now: no wait
 
 
 def cause_of(exc: BaseException) -> str:
@@ -103,7 +103,7 @@ class EngineSupervisor:
                 failed.append((i, f"no heartbeat in {timeout:.0f} s (hung)"))
                 continue
             try:
-                ray.get(ref)
+                ray.get(ref)  # in `ready`: returns at once (raises if the heartbeat failed)
             except ray.exceptions.RayActorError as exc:
                 failed.append((i, f"process died ({cause_of(exc)})"))
             except Exception as exc:

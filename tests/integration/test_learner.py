@@ -173,7 +173,7 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
     assert stats["version"] == 1.0 and stats["grad_norm"] > 0
     port = free_port()
     joined = engine.join_weight_group.remote("127.0.0.1", port, 2, 1, WEIGHT_GROUP, "gloo")
-    ray.get(learner.open_weight_group.remote("127.0.0.1", port, 2, WEIGHT_GROUP))
+    ray.get(learner.open_weight_group.remote("127.0.0.1", port, 2, WEIGHT_GROUP), timeout=120)
     ray.get(joined)
     ray.get(learner.push_weights.remote([engine], None))
     ray.get(learner.wait_push.remote())

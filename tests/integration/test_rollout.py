@@ -74,7 +74,8 @@ def test_actor_streams_groups_into_queue(system, cfg):
     import ray
 
     queue, actor, _ = system
-    ray.get(actor.start.remote(queue, ray.get(queue.address.remote()), ray.get(queue.producer_secret.remote())))
+    address = ray.get(queue.address.remote(), timeout=60)
+    ray.get(actor.start.remote(queue, address, ray.get(queue.producer_secret.remote(), timeout=60)), timeout=120)
     batch = ray.get(queue.get_batch.remote(None, 600), timeout=660)["batch"]
     assert batch is not None and len(batch) == 4
     for g in batch:
