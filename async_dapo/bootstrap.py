@@ -3,8 +3,10 @@
 RL from a 0%-accuracy policy learns nothing (every group is all-wrong and dynamic sampling drops it), so
 the bootstrap trains a small Qwen2-shaped byte-level BPE tokenizer on the synthetic task, builds a small
 Qwen2-architecture model (loadable by transformers and SGLang), and warm-starts it with a short supervised
-run until it has partial accuracy. The result is cached: a second call with the same settings returns at once.
-Deterministic given the seed (fixed step count, one intra-op thread).
+run until it has partial accuracy. With ``sft_target_accuracy`` the warm start stops on a measured target
+(greedy accuracy of the easiest level's training problems) rather than a step count, so it lands where RL
+has mixed groups on any CPU. The result is cached: a second call with the same settings returns at once.
+Deterministic given the seed on one machine (one intra-op thread).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from async_dapo.config import Config, TinyModelConfig
-from async_dapo.data import PromptRow, synthetic_response, synthetic_rows
+from async_dapo.data import PromptRow, synthetic_distinct_rows, synthetic_response, synthetic_rows
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,9 @@ class BootstrapReport:
     cached: bool
     seconds: float
     num_parameters: int
-    sft_steps: int
+    sft_steps: int  # steps actually run
+    stop_reason: str
+    target_trace: list[tuple[int, float]]  # (step, greedy accuracy on the target level's training problems)
     train_accuracy: float
     val_accuracy: float
     val_accuracy_by_level: dict[int, float]
@@ -128,11 +132,12 @@ def _sft_batch(tokenizer, rows: list[PromptRow], pad_id: int) -> tuple[torch.Ten
 
 def supervised_warm_start(
     model, tokenizer, rows: list[PromptRow], tc: TinyModelConfig, steps: int | None = None,
-    after_step: Callable[[int], None] | None = None,
-) -> None:
+    after_step: Callable[[int], bool | None] | None = None,
+) -> int:
     """AdamW with cosine decay over ``tc.sft_schedule_steps`` (default ``tc.sft_steps``), batches drawn
     cyclically from ``rows``; runs ``steps`` steps (default ``tc.sft_steps``). ``after_step(step)`` is
-    called after each step (tools/sft_baseline.py continues the warm start past ``tc.sft_steps`` with it)."""
+    called after each step; returning True ends the warm start there (the target check does that;
+    tools/sft_baseline.py continues past the bootstrap's stop with it). Returns the steps run."""
     pad_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=tc.sft_lr, weight_decay=0.0)
     horizon = tc.sft_schedule_steps or tc.sft_steps
@@ -141,6 +146,7 @@ def supervised_warm_start(
     )
     model.train()
     bs = tc.sft_batch_size
+    done = 0
     for step in range(tc.sft_steps if steps is None else steps):
         start = (step * bs) % len(rows)
         ids, lab = _sft_batch(tokenizer, (rows + rows)[start : start + bs], pad_id)
@@ -152,9 +158,11 @@ def supervised_warm_start(
         sched.step()
         if step % 100 == 0:
             log.info("sft step %d/%d loss %.4f", step, tc.sft_steps, loss.item())
-        if after_step is not None:
-            after_step(step + 1)
+        done = step + 1
+        if after_step is not None and after_step(done):
+            break
     model.eval()
+    return done
 
 
 @torch.no_grad()
@@ -200,11 +208,60 @@ def untrained(cfg: Config) -> tuple[Any, Any, list[PromptRow]]:
     return tokenizer, model, train
 
 
+class TargetCheck:
+    """``after_step`` of the warm start: every ``sft_check_every`` steps, greedy accuracy on the training
+    problems of the target level (at most ``eval_prompts``, distinct). Once that reaches
+    ``sft_target_accuracy``, every other configured level is measured too, and the check says stop (True)
+    when each has at least ``sft_level_floor``. Training problems, not held-out ones: the stop never peeks at
+    validation."""
+
+    def __init__(self, cfg: Config, model, tokenizer) -> None:
+        tc, task = cfg.model.bootstrap, cfg.data.synthetic
+        assert tc is not None and tc.sft_target_accuracy is not None
+        self.level = tc.sft_target_level if tc.sft_target_level is not None else min(task.levels)
+        self.target, self.floor, self.every = tc.sft_target_accuracy, tc.sft_level_floor, tc.sft_check_every
+        self.rows = {lv: synthetic_distinct_rows("train", levels=[lv], heldout_fraction=task.heldout_fraction,
+                                                 seed=tc.seed, limit=tc.eval_prompts) for lv in task.levels}
+        self.model, self.tokenizer = model, tokenizer
+        self.trace: list[tuple[int, float]] = []  # (step, target level's accuracy)
+        self.others: dict[int, float] = {}  # the other levels at the last check that measured them
+
+    def _accuracy(self, level: int) -> float:
+        ok = greedy_accuracy(self.model, self.tokenizer, self.rows[level], max_new_tokens=8)
+        return round(sum(ok) / len(ok), 4)
+
+    def __call__(self, step: int) -> bool:
+        if step % self.every:
+            return False
+        self.model.eval()
+        self.trace.append((step, self._accuracy(self.level)))
+        if self.trace[-1][1] >= self.target and self.floor is not None:
+            self.others = {lv: self._accuracy(lv) for lv in self.rows if lv != self.level}
+        self.model.train()
+        log.info("sft step %d: level %d greedy accuracy %.3f (target %.2f)%s", step, self.level,
+                 self.trace[-1][1], self.target, f", other levels {self.others}" if self.others else "")
+        return self.reached()
+
+    def reached(self) -> bool:
+        if not self.trace or self.trace[-1][1] < self.target:
+            return False
+        return self.floor is None or all(acc >= self.floor for acc in self.others.values())
+
+    def reason(self, steps: int) -> str:
+        floor = f"; other levels {self.others} >= {self.floor:g}" if self.floor is not None else ""
+        if self.reached():
+            return (f"target reached at step {steps}: level {self.level} greedy accuracy on "
+                    f"{len(self.rows[self.level])} training problems {self.trace[-1][1]:.3f} >= {self.target:g}{floor}")
+        best = max((acc for _, acc in self.trace), default=0.0)
+        return (f"sft_steps ({steps}) used up before the target: best level {self.level} greedy accuracy "
+                f"{best:.3f} (target {self.target:g}), other levels at the last check {self.others}")
+
+
 def _fingerprint(cfg: Config) -> str:
     tc = cfg.model.bootstrap
     assert tc is not None
     key = {"tiny": tc.model_dump(), "task": cfg.data.synthetic.model_dump(),
-           "ctx": cfg.rollout.engine.context_length, "version": 2}
+           "ctx": cfg.rollout.engine.context_length, "version": 3}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -221,14 +278,18 @@ def bootstrap(cfg: Config, force: bool = False) -> BootstrapReport:
         if saved.get("fingerprint") == fp:
             rep = saved["report"]
             rep["val_accuracy_by_level"] = {int(k): v for k, v in rep["val_accuracy_by_level"].items()}
+            rep["target_trace"] = [tuple(x) for x in rep["target_trace"]]
             return BootstrapReport(**{**rep, "cached": True})
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # one thread per busy process: 2 threads on 2 cores ran 10-30x slower
     task = cfg.data.synthetic
     tokenizer, model, train = untrained(cfg)
-    val = synthetic_rows("val", tc.eval_prompts, levels=task.levels,
-                         heldout_fraction=task.heldout_fraction, seed=tc.seed)
-    supervised_warm_start(model, tokenizer, train, tc)
+    val = synthetic_distinct_rows("val", levels=task.levels, heldout_fraction=task.heldout_fraction,
+                                  seed=tc.seed, limit=tc.eval_prompts)
+    check = TargetCheck(cfg, model, tokenizer) if tc.sft_target_accuracy is not None else None
+    steps = supervised_warm_start(model, tokenizer, train, tc, after_step=check)
+    reason = check.reason(steps) if check else f"fixed step count (sft_steps {steps}, no sft_target_accuracy)"
+    log.info("warm start stopped after %d steps: %s", steps, reason)
     val_ok = greedy_accuracy(model, tokenizer, val, max_new_tokens=8)
     train_ok = greedy_accuracy(model, tokenizer, train[-tc.eval_prompts:], max_new_tokens=8)
     by_level = {
@@ -242,7 +303,8 @@ def bootstrap(cfg: Config, force: bool = False) -> BootstrapReport:
     tokenizer.save_pretrained(out)
     report = BootstrapReport(
         path=str(out), cached=False, seconds=round(time.perf_counter() - t0, 1),
-        num_parameters=sum(p.numel() for p in model.parameters()), sft_steps=tc.sft_steps,
+        num_parameters=sum(p.numel() for p in model.parameters()), sft_steps=steps,
+        stop_reason=reason, target_trace=check.trace if check else [],
         train_accuracy=sum(train_ok) / len(train_ok), val_accuracy=sum(val_ok) / len(val_ok),
         val_accuracy_by_level=by_level,
     )

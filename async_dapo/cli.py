@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +20,12 @@ from async_dapo.data import DatasetError
 from async_dapo.supervise import RunFailed
 
 log = logging.getLogger("async_dapo")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a config field (repeatable); value parsed as YAML")
         if name == "bootstrap":
             sp.add_argument("--force", action="store_true", help="rebuild even if cached")
+        if name == "eval":
+            sp.add_argument("--repeats", type=_positive, default=1, metavar="N",
+                            help="validate N times on the same weights and report the spread of avg@k "
+                                 "(the evaluation noise a training gain must stand out from)")
         if name == "train":
             sp.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                             help="continue the run in RUN_DIR from its latest checkpoint "
@@ -49,7 +60,7 @@ def _bootstrap(cfg: Config, force: bool = False) -> None:
     log.info("bootstrap %s: %s", "cached" if rep.cached else "built", json.dumps(asdict(rep)))
 
 
-def _eval(cfg: Config) -> None:
+def _eval(cfg: Config, repeats: int = 1) -> None:
     from transformers import AutoTokenizer
 
     from async_dapo.device import pin_threads
@@ -62,16 +73,23 @@ def _eval(cfg: Config) -> None:
     pin_threads(1)
     trust = cfg.model.trust_remote_code
     engine = start_engine(cfg.rollout.engine, cfg.model.path, trust_remote_code=trust)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=trust)
+    avgs = []
     try:
-        res = validate(engine, AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=trust), cfg)
+        for _ in range(repeats):  # the engine's sampler moves on: each pass draws new samples
+            res = validate(engine, tokenizer, cfg)
+            m = res.metrics
+            avgs.append(m["val/avg_at_k"])
+            log.info(
+                "val avg@%d %.3f  pass@%d %.3f  maj@%d %.3f  (%d distinct prompts, %d tokens, %.0f tok/s)  %s",
+                res.k, m["val/avg_at_k"], res.k, m["val/pass_at_k"], res.k, m["val/maj_at_k"], res.prompts,
+                res.gen_tokens, res.gen_tokens / res.seconds, val_subsets_line(m),
+            )
     finally:
         engine.shutdown()
-    m = res.metrics
-    log.info(
-        "val avg@%d %.3f  pass@%d %.3f  maj@%d %.3f  (%d prompts, %d tokens, %.0f tok/s)  %s",
-        res.k, m["val/avg_at_k"], res.k, m["val/pass_at_k"], res.k, m["val/maj_at_k"], res.prompts,
-        res.gen_tokens, res.gen_tokens / res.seconds, val_subsets_line(m),
-    )
+    if repeats > 1:
+        log.info("avg@%d over %d validations of the same weights: mean %.4f, sd %.4f, range %.4f-%.4f",
+                 cfg.logging.val_n, repeats, statistics.mean(avgs), statistics.stdev(avgs), min(avgs), max(avgs))
 
 
 def _train(cfg: Config, resume: Path | None) -> int:
@@ -111,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bootstrap":
             _bootstrap(cfg, args.force)
         elif args.command == "eval":
-            _eval(cfg)
+            _eval(cfg, args.repeats)
         else:
             return _train(cfg, args.resume)
     except (ConfigError, DatasetError, FileNotFoundError) as exc:  # bad config, data or --resume path

@@ -35,8 +35,26 @@ class TinyModelConfig(_Section):
     num_heads: int = Field(4, ge=1, le=64, description="Attention heads (also key/value heads).")
     intermediate_size: int = Field(256, ge=16, le=16384, description="MLP hidden width.")
     sft_steps: int = Field(
-        600, ge=1, le=100_000, description="Warm-start optimizer steps (a step count, not a time "
-        "budget, so the result is deterministic given the seed)."
+        600, ge=1, le=100_000, description="Most warm-start optimizer steps: exactly this many without "
+        "`sft_target_accuracy`; with it, the warm start stops at the first check that reaches the target."
+    )
+    sft_target_accuracy: float | None = Field(
+        None, gt=0, le=1, description="Stop the warm start at the first check where greedy accuracy on the "
+        "training problems of `sft_target_level` reaches this (None = run `sft_steps`). A measured target "
+        "lands the policy at the same skill on any CPU, where a step count lands it wherever that CPU's "
+        "arithmetic takes it.",
+    )
+    sft_target_level: int | None = Field(
+        None, description="Synthetic level the target is measured on (None = the easiest configured level)."
+    )
+    sft_level_floor: float | None = Field(
+        None, ge=0, le=1, description="With `sft_target_accuracy`: stop only once every other configured level "
+        "also has at least this greedy accuracy on its training problems (checked when the target level is "
+        "there). A level left near 0 % gives RL no mixed groups: warm-start seed 2 stopped with level 2 at 6 % "
+        "and RL gained +7 points where seeds 0 and 1 (level 2 at 13-17 %) gained +11 to +17 (docs/training.md).",
+    )
+    sft_check_every: int = Field(
+        25, ge=1, le=10_000, description="Warm-start steps between two checks of the target."
     )
     sft_schedule_steps: int | None = Field(
         None, ge=1, description="Horizon of the cosine LR schedule (None = sft_steps). Longer than sft_steps "
@@ -133,6 +151,11 @@ class EngineConfig(_Section):
     max_running_requests: int | None = Field(None, ge=1, description="SGLang scheduler cap.")
     disable_cuda_graph: bool | None = Field(None, description="None = True on cpu, False on cuda.")
     random_seed: int = Field(0, ge=0, description="Engine sampling seed.")
+    sleep_on_idle: bool | None = Field(
+        None, description="SGLang's sleep_on_idle (None = True on cpu, False on cuda). Without it the "
+        "scheduler busy-polls whenever it has nothing to run, which on a CPU engine takes a core from the "
+        "learner: the default run's step went 1.59 -> 1.19 s with it (docs/training.md).",
+    )
     extra_args: dict[str, Any] = Field(
         default_factory=dict, description="Passed verbatim to sglang.Engine (escape hatch)."
     )
@@ -369,7 +392,10 @@ class LoggingConfig(_Section):
     run_dir: Path = Field(Path("runs/tiny_cpu"), description="Everything of a run is written here.")
     tensorboard: bool = Field(True, description="Write TensorBoard events to run_dir/tb.")
     val_every_steps: int = Field(10, ge=0, description="Validate every k steps (0 = never).")
-    val_prompts: int = Field(256, ge=1, description="Held-out prompts per validation.")
+    val_prompts: int = Field(
+        256, ge=1, description="Most held-out prompts per validation; each distinct (repeated rows of a file are "
+        "dropped, the synthetic split is not cycled), so fewer when the split has fewer.",
+    )
     val_n: int = Field(4, ge=1, description="k: samples per validation prompt (avg@k, pass@k, maj@k).")
     val_temperature: float = Field(1.0, ge=0, le=10, description="Validation temperature.")
     val_top_p: float = Field(0.7, gt=0, le=1, description="Validation top_p (paper: 0.7).")
@@ -424,6 +450,12 @@ class Config(_Section):
             raise ValueError(
                 "rollout.engine.context_length must be >= data.max_prompt_length + "
                 "rollout.max_response_length"
+            )
+        tc = self.model.bootstrap
+        if tc is not None and tc.sft_target_level is not None and tc.sft_target_level not in self.data.synthetic.levels:
+            raise ValueError(
+                f"model.bootstrap.sft_target_level ({tc.sft_target_level}) must be one of "
+                f"data.synthetic.levels {self.data.synthetic.levels}"
             )
         ws, rp, ro, pl, eng = self.weight_sync, self.replay, self.rollout, self.placement, self.rollout.engine
         if ws.every_k_steps > rp.max_staleness + 1:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+log = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
@@ -151,30 +154,61 @@ def synthetic_problems(level: int, split: Literal["train", "val"], heldout_fract
     return out
 
 
-def synthetic_rows(
-    split: Literal["train", "val"], size: int, *, levels: list[int], heldout_fraction: float, seed: int
-) -> list[PromptRow]:
-    """``size`` rows, levels interleaved round-robin, problems drawn without replacement per level
-    (cycling when a level's pool is exhausted). Deterministic given the arguments."""
+def _shuffled_pools(split: Literal["train", "val"], levels: list[int], heldout_fraction: float,
+                    seed: int) -> dict[int, list[tuple[str, int]]]:
+    # One rng for all levels, shuffled in level order: the same seed gives the same pools everywhere.
     rng = random.Random(f"{seed}-{split}")
     pools = {}
     for lv in levels:
         pool = synthetic_problems(lv, split, heldout_fraction)
         rng.shuffle(pool)
         pools[lv] = pool
+    return pools
+
+
+def _synthetic_row(q: str, ans: int, index: int, level: int, split: str) -> PromptRow:
+    return PromptRow(
+        data_source=SYNTHETIC_SOURCE,
+        prompt=[Message(role="user", content=q)],
+        ability="math",
+        reward_model=RewardSpec(style="rule", ground_truth=str(ans)),
+        extra_info={"index": index, "level": level, "split": split},
+    )
+
+
+def synthetic_rows(
+    split: Literal["train", "val"], size: int, *, levels: list[int], heldout_fraction: float, seed: int
+) -> list[PromptRow]:
+    """``size`` rows, levels interleaved round-robin, problems drawn without replacement per level
+    (cycling when a level's pool is exhausted). Deterministic given the arguments."""
+    pools = _shuffled_pools(split, levels, heldout_fraction, seed)
     rows = []
     for i in range(size):
         lv = levels[i % len(levels)]
         q, ans = pools[lv][(i // len(levels)) % len(pools[lv])]
-        rows.append(
-            PromptRow(
-                data_source=SYNTHETIC_SOURCE,
-                prompt=[Message(role="user", content=q)],
-                ability="math",
-                reward_model=RewardSpec(style="rule", ground_truth=str(ans)),
-                extra_info={"index": i, "level": lv, "split": split},
-            )
-        )
+        rows.append(_synthetic_row(q, ans, i, lv, split))
+    return rows
+
+
+def synthetic_distinct_rows(split: Literal["train", "val"], *, levels: list[int], heldout_fraction: float,
+                            seed: int, limit: int | None = None) -> list[PromptRow]:
+    """Every distinct problem of ``split`` in ``levels``, each once, at most ``limit`` in total (validation
+    uses the held-out split; the warm start's target check uses the training split).
+
+    Levels take turns (each pool shuffled with ``seed``, as :func:`synthetic_rows` does), and a level whose
+    pool is used up is skipped rather than cycled: a repeated prompt would count one problem many times
+    and make a small held-out set look large. While no pool is used up the order equals
+    ``synthetic_rows(split, ...)``'s."""
+    pools = _shuffled_pools(split, levels, heldout_fraction, seed)
+    draws = {lv: iter(pool) for lv, pool in pools.items()}  # shared per level, so a repeated level stays distinct
+    total = sum(len(pool) for pool in pools.values())
+    cap = total if limit is None else min(limit, total)
+    rows: list[PromptRow] = []
+    while len(rows) < cap:
+        for lv in levels:
+            problem = next(draws[lv], None)
+            if problem is not None and len(rows) < cap:
+                rows.append(_synthetic_row(*problem, len(rows), lv, split))
     return rows
 
 
@@ -196,14 +230,35 @@ def train_rows(cfg) -> list[PromptRow]:
     return load_rows(cfg.data.train)
 
 
+def prompt_key(row: PromptRow) -> tuple[tuple[str, str], ...]:
+    """What makes two rows the same prompt: their chat messages (role, content), in order."""
+    return tuple((m.role, m.content) for m in row.prompt)
+
+
+def distinct_prompt_rows(rows: list[PromptRow], source: str) -> list[PromptRow]:
+    """``rows`` without repeated prompts, the first occurrence kept. verl-style eval files repeat each
+    problem (AIME-2024: 30 problems x 32), which would only repeat the same measurement."""
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    out = []
+    for row in rows:
+        if prompt_key(row) not in seen:
+            seen.add(prompt_key(row))
+            out.append(row)
+    log.info("%s: removed %d duplicate prompt rows of %d (%d distinct)", source, len(rows) - len(out),
+             len(rows), len(out))
+    return out
+
+
 def val_rows(cfg) -> list[PromptRow]:
-    """The held-out prompts: the synthetic task's held-out split, or the configured file."""
+    """The held-out prompts, each distinct, at most ``logging.val_prompts``: the synthetic task's held-out
+    problems (levels taking turns, see :func:`synthetic_distinct_rows`), or the configured file's rows with
+    repeated prompts removed."""
     n = cfg.logging.val_prompts
     if cfg.data.val == "synthetic":
         t = cfg.data.synthetic
-        return synthetic_rows("val", n, levels=t.levels, heldout_fraction=t.heldout_fraction,
-                              seed=cfg.logging.seed)
-    return load_rows(cfg.data.val)[:n]
+        return synthetic_distinct_rows("val", levels=t.levels, heldout_fraction=t.heldout_fraction,
+                                      seed=cfg.logging.seed, limit=n)
+    return distinct_prompt_rows(load_rows(cfg.data.val), str(cfg.data.val))[:n]
 
 
 def source_name(cfg, split: Literal["train", "val"]) -> str:

@@ -41,6 +41,7 @@ def engine_kwargs(ec: EngineConfig, model_path: str | Path, trust_remote_code: b
         "skip_server_warmup": True,
         "log_level": "error",
         "disable_cuda_graph": (device == "cpu") if ec.disable_cuda_graph is None else ec.disable_cuda_graph,
+        "sleep_on_idle": (device == "cpu") if ec.sleep_on_idle is None else ec.sleep_on_idle,
     }
     if ec.attention_backend is not None or device == "cpu":
         kw["attention_backend"] = ec.attention_backend or "torch_native"

@@ -1,4 +1,5 @@
-"""Validation: k samples per held-out prompt through an SGLang engine -> avg@k, pass@k, maj@k."""
+"""Validation: k samples per distinct held-out prompt through an SGLang engine -> avg@k, pass@k, maj@k
+(levels weighted equally when the rows have levels, see :class:`ValResult`)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ from collections import Counter
 from dataclasses import dataclass
 
 from async_dapo.config import Config
-from async_dapo.data import PromptRow, val_rows
+from async_dapo.data import PromptRow, prompt_key, val_rows
 from async_dapo.reward import INVALID_PRED, dapo_math_score
 
 
 @dataclass(frozen=True)
 class ValResult:
-    # val/avg_at_k: mean accuracy over all k samples of all prompts; val/pass_at_k: fraction of prompts
-    # with at least one correct sample; val/maj_at_k: fraction whose most frequent extracted answer is
-    # correct; val/avg_at_k/<subset>: avg@k per level or data source.
+    # Per prompt: avg = accuracy over its k samples, pass = any sample correct, maj = its most frequent
+    # extracted answer is correct. val/avg_at_k, val/pass_at_k, val/maj_at_k weight them as the run weights
+    # its data: when every row carries extra_info.level (the synthetic task, which trains its levels
+    # uniformly) the mean over levels of the per-level means, each level in the rows weighing 1/(number of
+    # levels); otherwise the plain mean over rows (verl's convention for a file). val/avg_at_k/<subset>: the
+    # row mean of avg per level or data source. val/distinct_prompts: how many distinct prompts were validated.
     metrics: dict[str, float]
     k: int
     prompts: int
@@ -43,17 +47,37 @@ def prompt_scores(texts: list[list[str]], truths: list[str]) -> list[tuple[float
     return out
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _aggregate(scores: list[tuple[float, float, float]], rows: list[PromptRow]) -> tuple[float, float, float]:
+    # The synthetic task trains its levels round-robin, so each level weighs the same here too; a row mean
+    # would let the level with the most held-out problems dominate (level 2 has ~11x level 1's).
+    levels = [r.extra_info.get("level") for r in rows]
+    if any(lv is None for lv in levels):
+        return tuple(_mean(list(col)) for col in zip(*scores))
+    by_level: dict[object, list[tuple[float, float, float]]] = {}
+    for lv, s in zip(levels, scores):
+        by_level.setdefault(lv, []).append(s)
+    per_level = [tuple(_mean(list(col)) for col in zip(*group)) for group in by_level.values()]
+    return tuple(_mean(list(col)) for col in zip(*per_level))
+
+
 def val_metrics(texts: list[list[str]], rows: list[PromptRow]) -> dict[str, float]:
-    """``val/avg_at_k``, ``val/pass_at_k``, ``val/maj_at_k`` over all rows, plus ``val/avg_at_k/<subset>``
-    per subset (see :func:`subset_of`) when there is more than one, so a run shows which level moved."""
+    """``val/avg_at_k``, ``val/pass_at_k``, ``val/maj_at_k``: the mean over levels of the per-level means
+    when every row carries ``extra_info.level``, else the mean over rows; ``val/distinct_prompts``; and
+    ``val/avg_at_k/<subset>`` (row mean per subset, see :func:`subset_of`) when there is more than one
+    subset, so a run shows which level moved."""
     scores = prompt_scores(texts, [r.ground_truth for r in rows])
     names = ("avg_at_k", "pass_at_k", "maj_at_k")
-    out = {f"val/{name}": sum(col) / len(col) for name, col in zip(names, zip(*scores))}
+    out = {f"val/{name}": value for name, value in zip(names, _aggregate(scores, rows))}
+    out["val/distinct_prompts"] = float(len({prompt_key(r) for r in rows}))
     subsets: dict[str, list[float]] = {}
     for row, (acc, _, _) in zip(rows, scores):
         subsets.setdefault(subset_of(row), []).append(acc)
     if len(subsets) > 1:
-        out.update({f"val/avg_at_k/{name}": sum(v) / len(v) for name, v in sorted(subsets.items())})
+        out.update({f"val/avg_at_k/{name}": _mean(v) for name, v in sorted(subsets.items())})
     return out
 
 

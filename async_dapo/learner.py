@@ -132,9 +132,13 @@ class LearnerWorker:
         return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
 
     @torch.no_grad()
-    def _proximal(self, plan: list[PlannedMiniBatch]) -> list[list[torch.Tensor]]:
-        """Logprobs of every micro-batch under the weights at the start of the step."""
-        return [[self._token_logprobs(self._logits(mb), mb.targets) for mb in p.micro_batches] for p in plan]
+    def _proximal(self, plan: list[PlannedMiniBatch]) -> list[list[torch.Tensor | None]]:
+        """Logprobs of every micro-batch under the weights at the start of the step. The first mini-batch's
+        are left None: its first training forward runs under exactly those weights, so _micro_loss fills
+        them in from there (one forward pass per step saved; the whole pass when a step is one mini-batch)."""
+        first = [None] * len(plan[0].micro_batches) if plan else []
+        return [first] + [[self._token_logprobs(self._logits(mb), mb.targets) for mb in p.micro_batches]
+                          for p in plan[1:]]
 
     def _plan(self, groups) -> list[PlannedMiniBatch]:
         a, lc = self.cfg.algorithm, self.cfg.learner
@@ -143,10 +147,13 @@ class LearnerWorker:
                          overlong_filtering=a.overlong_filtering, scale_by_std=a.scale_adv_by_std)
         return [dataclasses.replace(p, micro_batches=[mb.to(self.device) for mb in p.micro_batches]) for p in plan]
 
-    def _micro_loss(self, mb: MicroBatch, prox: torch.Tensor | None, p: PlannedMiniBatch, sums: dict) -> torch.Tensor:
+    def _micro_loss(self, mb: MicroBatch, proxs: list | None, i: int, p: PlannedMiniBatch, sums: dict) -> torch.Tensor:
         a = self.cfg.algorithm
         logits = self._logits(mb)
         logp = self._token_logprobs(logits, mb.targets)
+        if proxs is not None and proxs[i] is None:  # see _proximal: these weights are the proximal policy
+            proxs[i] = logp.detach()
+        prox = proxs[i] if proxs is not None else None
         mode = a.correction.mode
         old = mb.behav_logprobs if mode == "naive" or prox is None else prox
         isw = None
@@ -178,9 +185,9 @@ class LearnerWorker:
         for k, v in add.items():
             sums[k] = sums.get(k, 0.0) + v
 
-    def _backward_mini_batch(self, p: PlannedMiniBatch, prox: list[torch.Tensor] | None, sums: dict) -> None:
+    def _backward_mini_batch(self, p: PlannedMiniBatch, prox: list[torch.Tensor | None] | None, sums: dict) -> None:
         for i, mb in enumerate(p.micro_batches):
-            loss = self._micro_loss(mb, prox[i] if prox else None, p, sums)
+            loss = self._micro_loss(mb, prox, i, p, sums)
             # FSDP averages gradients over ranks; the loss contract wants their SUM.
             (loss * self.world).backward()
 
@@ -197,7 +204,7 @@ class LearnerWorker:
         for _ in range(lc.epochs):
             for j, p in enumerate(plan):
                 self.optimizer.zero_grad(set_to_none=True)
-                self._backward_mini_batch(p, prox[j] if prox else None, sums)
+                self._backward_mini_batch(p, prox[j] if prox is not None else None, sums)
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
                 norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 norms.append(norm.item())
@@ -235,7 +242,7 @@ class LearnerWorker:
         plan = self._plan(groups)
         prox = self._proximal(plan) if self.cfg.algorithm.correction.mode != "naive" else None
         self.optimizer.zero_grad(set_to_none=True)
-        self._backward_mini_batch(plan[0], prox[0] if prox else None, {})
+        self._backward_mini_batch(plan[0], prox[0] if prox is not None else None, {})
         grads = {n: p.grad.full_tensor().cpu() for n, p in self.model.named_parameters()}
         self.optimizer.zero_grad(set_to_none=True)
         return grads

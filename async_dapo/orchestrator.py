@@ -246,15 +246,20 @@ class Run:
         return every > 0 and (step % every == 0 or step == self.cfg.learner.total_steps)
 
     def log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
-        queue = self.placed.get(self.placed.replay.stats.remote(), "replay stats")
-        roll = self.placed.rollout_stats()
+        with self.clock.phase("logging"):
+            self._log(step, batch, stats, t0)
+
+    def _log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
+        queue, roll, push = self.placed.step_stats()
         now = time.perf_counter()
-        dt = max(now - self._last["t"], 1e-9)
+        dt = max(roll["t"] - self._last["t"], 1e-9)  # between the two snapshots of the engines' counters
         timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s,
-                  "weight_push_s": self.placed.last_push().get("push_s", 0.0),
-                  "gen_tokens_per_s": (roll["gen_tokens"] - self._last["gen_tokens"]) / dt,
-                  "rollout_idle_ratio": min(1.0, (roll["idle_seconds"] - self._last["idle"]) / dt / roll["engines"])}
-        self._last = {"gen_tokens": roll["gen_tokens"], "idle": roll["idle_seconds"], "t": now}
+                  "weight_push_s": push.get("push_s", 0.0),
+                  # max(0, .): a replaced engine starts its counters from zero
+                  "gen_tokens_per_s": max(0.0, roll["gen_tokens"] - self._last["gen_tokens"]) / dt,
+                  "rollout_idle_ratio": min(1.0, max(0.0, roll["idle_seconds"] - self._last["idle"])
+                                            / dt / roll["engines"])}
+        self._last = {"gen_tokens": roll["gen_tokens"], "idle": roll["idle_seconds"], "t": roll["t"]}
         m = step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing)
         m["rollout/engine_restarts"] = float(self.supervisor.restarts)
         self.metrics.write(step, m)
@@ -274,7 +279,9 @@ class Run:
                   "max_new_tokens": self.cfg.rollout.max_response_length}
         what = f"validation at step {step}"
         try:
-            res = self.placed.get(self.placed.engines[0].validate.remote(val_rows(self.cfg), lg.val_n, params),
+            if not hasattr(self, "val_rows"):  # built once: a file's dedup is logged once
+                self.val_rows = val_rows(self.cfg)
+            res = self.placed.get(self.placed.engines[0].validate.remote(self.val_rows, lg.val_n, params),
                                   what, lg.val_timeout_s)
         except RunFailed as exc:  # engine 0 may have died: replace it; a metric never ends the run
             if isinstance(exc, ActorDied) or not isinstance(exc, WaitExpired):
@@ -282,9 +289,9 @@ class Run:
             log.warning("%s skipped: %s", what, exc)
             return
         self.metrics.write(step, res)
-        log.info("val step %d (engine v%d): avg@%d %.3f pass@%d %.3f maj@%d %.3f  %s", step, int(res["val/version"]),
-                 lg.val_n, res["val/avg_at_k"], lg.val_n, res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"],
-                 val_subsets_line(res))
+        log.info("val step %d (engine v%d, %d distinct prompts): avg@%d %.3f pass@%d %.3f maj@%d %.3f  %s", step,
+                 int(res["val/version"]), int(res["val/distinct_prompts"]), lg.val_n, res["val/avg_at_k"], lg.val_n,
+                 res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"], val_subsets_line(res))
         self.last_val = res
 
     def checkpoint(self, step: int) -> None:

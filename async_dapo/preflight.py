@@ -5,7 +5,7 @@ Each raises one error naming the field, file and row."""
 from __future__ import annotations
 
 from async_dapo.config import Config, ConfigError
-from async_dapo.data import fit_prompt_lengths, source_name, train_rows, val_rows
+from async_dapo.data import fit_prompt_lengths, prompt_key, source_name, train_rows, val_rows
 
 
 def check_reward_function(cfg: Config) -> None:
@@ -26,10 +26,23 @@ def check_prompts(cfg: Config) -> None:
         return
     from transformers import AutoTokenizer
 
-    from async_dapo.bootstrap import encode_prompt
-
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     for split, rows in (("train", train_rows(cfg)), ("val", val_rows(cfg))):
-        lengths = [len(encode_prompt(tokenizer, row)) for row in rows]
+        lengths = _prompt_lengths(tokenizer, rows)
         fit_prompt_lengths(rows, lengths, max_len=cfg.data.max_prompt_length, truncation="error",
                            source=source_name(cfg, split))
+
+
+def _prompt_lengths(tokenizer, rows) -> list[int]:
+    """Token count of each row's prompt (chat template applied), each distinct prompt tokenized once: the
+    synthetic training set cycles ~1,400 problems through 20,000 rows."""
+    from async_dapo.bootstrap import encode_prompt
+
+    known: dict[tuple, int] = {}
+    lengths = []
+    for row in rows:
+        key = prompt_key(row)
+        if key not in known:
+            known[key] = len(encode_prompt(tokenizer, row))
+        lengths.append(known[key])
+    return lengths

@@ -113,6 +113,7 @@ class _Session:
         self.admitting.set()
         self.weights_ready.set()
         self.inflight: set[asyncio.Task] = set()
+        self._prompt_ids: dict[int, list[int]] = {}
         self.sender = None
         self.queue = None
         self.score_fn = load_score_fn(cfg.reward.custom_function)
@@ -127,24 +128,50 @@ class _Session:
         return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                 "max_new_tokens": r.max_response_length}
 
-    async def _request(self, prompt_ids: list[int], params: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
-        """One engine request, bounded by ``rollout.request_timeout_s`` (aborted on expiry)."""
+    async def _request(self, prompt_ids: list[int], params: dict[str, Any], n: int | None = None, *,
+                       rid: str | None = None) -> Any:
+        """One engine request, bounded by ``rollout.request_timeout_s`` (aborted on expiry): one completion,
+        or with ``n`` a list of n completions of the same prompt sent as ONE batch (one message through the
+        tokenizer manager and the scheduler instead of n: that per-request overhead is what a CPU engine
+        with ~5-token answers spends its time on)."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        rid = rid or uuid.uuid4().hex
-        obj = GenerateReqInput(input_ids=list(prompt_ids), sampling_params=dict(params), return_logprob=True, rid=rid)
+        rids = [uuid.uuid4().hex for _ in range(n)] if n else [rid or uuid.uuid4().hex]
+        obj = GenerateReqInput(input_ids=[list(prompt_ids)] * n if n else list(prompt_ids),
+                               sampling_params=dict(params), return_logprob=True, rid=rids if n else rids[0])
         timeout = self.cfg.rollout.request_timeout_s
         try:
             return await asyncio.wait_for(self.tm.generate_request(obj, None).__anext__(), timeout)
         except asyncio.TimeoutError:
-            self.tm.abort_request(rid)
+            for rid in rids:
+                self.tm.abort_request(rid)
             raise GroupFailed("timeout", f"no result from the engine in {timeout:.0f} s "
                               "(rollout.request_timeout_s)") from None
 
-    async def sample_once(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    async def sample_n(self, prompt_ids: list[int], params: dict[str, Any], n: int) -> list[dict[str, Any]]:
+        """``n`` completions of one prompt, requested as one batch. A completion the batch lost to an abort is
+        drawn again alone by :meth:`sample_once`, under its rules (an abort we did not cause counts as its
+        first try)."""
+        await self.weights_ready.wait()
+        start_version, updates = self.version, self.updates_started
+        t0 = time.perf_counter()
+        outs = await self._request(prompt_ids, params, n)
+        seconds = time.perf_counter() - t0
+        redraw = []
+        for i, out in enumerate(outs):
+            if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
+                self.stats.resampled += 1
+                redraw.append((i, self.sample_once(prompt_ids, params, int(updates == self.updates_started))))
+            else:
+                out["_start_version"], out["_seconds"] = start_version, seconds
+        for i, out in zip([i for i, _ in redraw], await asyncio.gather(*(c for _, c in redraw))):
+            outs[i] = out
+        return outs
+
+    async def sample_once(self, prompt_ids: list[int], params: dict[str, Any],
+                          foreign_aborts: int = 0) -> dict[str, Any]:
         """One completion; resampled from scratch if an abort-mode update aborted it. An abort we did not
         cause (e.g. the engine refused the request) is retried ``rollout.max_abort_retries`` times."""
-        foreign_aborts = 0
         while True:
             await self.weights_ready.wait()
             start_version, updates = self.version, self.updates_started
@@ -198,9 +225,11 @@ class _Session:
         from async_dapo.bootstrap import encode_prompt
 
         row = self.rows[index]
-        prompt = self._fit(encode_prompt(self.tokenizer, row), index)
+        if index not in self._prompt_ids:  # a prompt comes back every epoch: tokenize it once
+            self._prompt_ids[index] = self._fit(encode_prompt(self.tokenizer, row), index)
+        prompt = self._prompt_ids[index]
         params = self._sampling_params()
-        outs = await asyncio.gather(*[self.sample_once(prompt, params) for _ in range(self.cfg.rollout.n)])
+        outs = await self.sample_n(prompt, params, self.cfg.rollout.n)
         samples = tuple(self._score(row, o) for o in outs)
         self.stats.samples += len(samples)
         self.stats.gen_tokens += sum(len(s.response_ids) for s in samples)
@@ -221,9 +250,8 @@ class _Session:
 
         version = self.version
         prompts = [self._fit(encode_prompt(self.tokenizer, r), i) for i, r in enumerate(rows)]
-        outs = await self.generate([p for p in prompts for _ in range(k)], params)
-        texts = [[self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs[i * k:(i + 1) * k]]
-                 for i in range(len(rows))]
+        groups = await asyncio.gather(*[self.sample_n(p, params, k) for p in prompts])
+        texts = [[self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in g] for g in groups]
         return {**val_metrics(texts, rows), "val/version": float(version)}
 
     # ------------------------------------------------------------------ producer
@@ -276,7 +304,7 @@ class _Session:
             return
         t0, rid = time.time(), f"probe-{uuid.uuid4().hex}"
         task = asyncio.ensure_future(self._request([self.tokenizer.eos_token_id or 0],
-                                                   {"max_new_tokens": 1, "temperature": 0.0}, rid))
+                                                   {"max_new_tokens": 1, "temperature": 0.0}, rid=rid))
         try:
             while time.time() - t0 < timeout_s:
                 if task.done():
@@ -377,11 +405,13 @@ class RolloutWorker:
         from async_dapo.engine import start_engine
 
         pin_threads(1)
-        seed_everything(cfg.logging.seed + 1000 + engine_rank)
         ec = cfg.rollout.engine.model_copy(
             update={"extra_args": {"weight_version": str(initial_version), **cfg.rollout.engine.extra_args}}
         )
         self.engine = start_engine(ec, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        # Seeded only now: SGLang draws its ports with the global `random`, and a seeded draw gives two
+        # runs on one host the same ports (EADDRINUSE). Sampling has its own seed (engine.random_seed).
+        seed_everything(cfg.logging.seed + 1000 + engine_rank)
         self.loop: asyncio.AbstractEventLoop = self.engine.loop
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.session = _Session(cfg, engine_rank, initial_version, tokenizer, train_rows(cfg),

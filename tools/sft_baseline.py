@@ -3,11 +3,11 @@ keeps going, on the same held-out prompts and with the same validation sampling.
 
     python tools/sft_baseline.py --config configs/tiny_cpu.yaml [--set a.b=c ...] [--extra 600 --every 100]
 
-Rebuilds the warm start of ``model.bootstrap`` in this process (deterministic: the same weights as the
-cached model), then continues the same run, same data order and the same cosine schedule
-(``sft_schedule_steps``), for ``--extra`` more steps. At the warm start and every ``--every`` steps
-it samples ``logging.val_n`` completions per held-out prompt with transformers at ``logging.val_temperature``
-/ ``logging.val_top_p`` (what an RL run's ``val/avg_at_k`` uses) and prints a Markdown row: extra steps,
+Rebuilds the warm start of ``model.bootstrap`` in this process up to the step the cached model stopped at
+(its bootstrap.json; deterministic on one machine: the same weights), then continues the same run, same
+data order and the same cosine schedule (``sft_schedule_steps``), for ``--extra`` more steps. At the warm
+start and every ``--every`` steps it samples ``logging.val_n`` completions per held-out prompt with
+transformers at ``logging.val_temperature`` / ``logging.val_top_p`` (what an RL run's ``val/avg_at_k`` uses) and prints a Markdown row: extra steps,
 SFT seconds since the warm start (evaluation excluded), avg@k, and avg@k per level.
 One process, one thread. SFT sees the reference answers; RL sees only the reward.
 """
@@ -33,7 +33,7 @@ def avg_at_k(model, tokenizer, rows, cfg, seed: int) -> tuple[float, dict[str, f
 
 
 def main() -> None:
-    from async_dapo.bootstrap import supervised_warm_start, untrained
+    from async_dapo.bootstrap import bootstrap, supervised_warm_start, untrained
     from async_dapo.config import load_config
     from async_dapo.data import val_rows
 
@@ -47,6 +47,7 @@ def main() -> None:
     tc = cfg.model.bootstrap
     if tc is None:
         ap.error("model.bootstrap is null: this baseline continues the tiny model's supervised warm start")
+    stop = bootstrap(cfg).sft_steps  # where the warm start stopped (its target, or sft_steps)
     torch.set_num_threads(1)
     tokenizer, model, train = untrained(cfg)
     rows = val_rows(cfg)
@@ -56,7 +57,7 @@ def main() -> None:
         now = time.perf_counter()
         if clock["t"] is not None:
             clock["sft_s"] += now - clock["t"]
-        extra = step - tc.sft_steps
+        extra = step - stop
         if extra >= 0 and extra % args.every == 0:
             avg, per = avg_at_k(model, tokenizer, rows, cfg, seed=extra)
             if extra == 0:
@@ -66,7 +67,7 @@ def main() -> None:
             print("| " + " | ".join(cells) + " |", flush=True)
         clock["t"] = time.perf_counter() if extra >= 0 else None
 
-    supervised_warm_start(model, tokenizer, train, tc, steps=tc.sft_steps + args.extra, after_step=after_step)
+    supervised_warm_start(model, tokenizer, train, tc, steps=stop + args.extra, after_step=after_step)
 
 
 if __name__ == "__main__":

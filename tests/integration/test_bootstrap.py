@@ -21,6 +21,11 @@ def test_default_model_has_partial_accuracy(tiny_model, cpu_config):
     # The warm start stops where the easiest level is about half learned: that is where RL has signal.
     assert 0.3 <= rep.val_accuracy_by_level[levels[0]] <= 0.8, rep
     assert rep.val_accuracy_by_level[levels[0]] > rep.val_accuracy_by_level[levels[-1]]  # levels really differ
+    # It stopped on the measured target (this CPU's arithmetic decides when), not on the step budget.
+    tc = cpu_config.model.bootstrap
+    assert rep.stop_reason.startswith("target reached"), rep.stop_reason
+    assert rep.target_trace[-1] == (rep.sft_steps, rep.target_trace[-1][1]) and rep.sft_steps < tc.sft_steps
+    assert rep.target_trace[-1][1] >= tc.sft_target_accuracy > max(acc for _, acc in rep.target_trace[:-1])
 
 
 def test_tokenizer_and_model_load_in_transformers(tiny_model):
@@ -49,3 +54,75 @@ def test_bootstrap_is_deterministic(tmp_path):
     wa, wb = load_file(f"{a.path}/model.safetensors"), load_file(f"{b.path}/model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+
+
+def test_warm_start_stops_at_the_first_check_reaching_the_target(tmp_path, monkeypatch):
+    # Scripted accuracies at the checks (every 2 steps): 0.1, 0.5, then 0.7 >= 0.6 -> stop after step 6.
+    from async_dapo import bootstrap as bs
+
+    script = iter([0.1, 0.5, 0.7, 0.9])
+    seen = []
+
+    def scripted(model, tokenizer, rows, max_new_tokens):
+        if rows[0].extra_info["split"] == "train" and len(seen) < 3:  # the target checks; then the report's
+            seen.append(rows)
+            acc = next(script)
+            return [i < acc * len(rows) for i in range(len(rows))]
+        return [False] * len(rows)
+
+    monkeypatch.setattr(bs, "greedy_accuracy", scripted)
+    cfg = load_config(None, [f"model.path={tmp_path / 'm'}", "model.bootstrap.sft_steps=50",
+                             "model.bootstrap.sft_check_every=2", "model.bootstrap.sft_target_accuracy=0.6",
+                             "model.bootstrap.eval_prompts=10", "data.synthetic.levels=[1, 2]"])
+    rep = bs.bootstrap(cfg)
+    assert rep.sft_steps == 6
+    assert [s for s, _ in rep.target_trace] == [2, 4, 6]
+    assert rep.target_trace[-1][1] >= 0.6 > rep.target_trace[-2][1]
+    assert rep.stop_reason.startswith("target reached at step 6: level 1 greedy accuracy")
+    # Measured on distinct TRAINING problems of the easiest level, never on the held-out split.
+    rows = seen[0]
+    assert {r.extra_info["level"] for r in rows} == {1} and {r.extra_info["split"] for r in rows} == {"train"}
+    assert len({r.prompt[0].content for r in rows}) == len(rows) == 10
+
+
+def test_warm_start_without_reaching_the_target_says_so(tmp_path, monkeypatch):
+    from async_dapo import bootstrap as bs
+
+    monkeypatch.setattr(bs, "greedy_accuracy", lambda model, tok, rows, max_new_tokens: [False] * len(rows))
+    cfg = load_config(None, [f"model.path={tmp_path / 'm'}", "model.bootstrap.sft_steps=4",
+                             "model.bootstrap.sft_check_every=2", "model.bootstrap.sft_target_accuracy=0.6",
+                             "model.bootstrap.eval_prompts=10"])
+    rep = bs.bootstrap(cfg)
+    assert rep.sft_steps == 4 and [s for s, _ in rep.target_trace] == [2, 4]
+    assert rep.stop_reason == ("sft_steps (4) used up before the target: best level 1 greedy accuracy 0.000 "
+                               "(target 0.6), other levels at the last check {}")
+
+
+def test_warm_start_also_waits_for_every_level_to_reach_the_floor(tmp_path, monkeypatch):
+    # Level 1 is at its target from the first check (step 2); level 2 reaches the 0.1 floor only at step 6.
+    from async_dapo import bootstrap as bs
+
+    script = {1: iter([0.7, 0.7, 0.7]), 2: iter([0.05, 0.08, 0.12])}
+    measured = []
+
+    def scripted(model, tokenizer, rows, max_new_tokens):
+        level = rows[0].extra_info["level"]
+        if rows[0].extra_info["split"] != "train" or len(measured) >= 6:  # the report's own evaluation
+            return [False] * len(rows)
+        measured.append(level)
+        acc = next(script[level])
+        return [i < acc * len(rows) for i in range(len(rows))]
+
+    monkeypatch.setattr(bs, "greedy_accuracy", scripted)
+    cfg = load_config(None, [f"model.path={tmp_path / 'm'}", "model.bootstrap.sft_steps=50",
+                             "model.bootstrap.sft_check_every=2", "model.bootstrap.sft_target_accuracy=0.6",
+                             "model.bootstrap.sft_level_floor=0.1", "model.bootstrap.eval_prompts=100",
+                             "data.synthetic.levels=[1, 2]"])
+    rep = bs.bootstrap(cfg)
+    assert rep.sft_steps == 6 and measured == [1, 2, 1, 2, 1, 2]
+    assert rep.stop_reason.endswith("training problems 0.700 >= 0.6; other levels {2: 0.12} >= 0.1")
+
+
+def test_target_level_must_be_a_configured_level():
+    with pytest.raises(Exception, match=r"model.bootstrap.sft_target_level \(3\) must be one of data.synthetic.levels"):
+        load_config(None, ["model.bootstrap.sft_target_level=3", "data.synthetic.levels=[1, 2]"])

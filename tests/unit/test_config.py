@@ -203,7 +203,7 @@ def test_cross_rule_message_through_cli_is_one_line_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: replay.capacity_groups (100) must be >= (replay.max_staleness + 1) * "
-        "algorithm.train_batch_groups = (1 + 1) * 64 = 128"
+        "algorithm.train_batch_groups = (2 + 1) * 64 = 192"
     )
 
 

@@ -1,12 +1,14 @@
 """Row schema, parquet/JSONL loading with row-level errors, and the synthetic task."""
 
 import json
+import logging
 
 import pytest
 
+from async_dapo.config import load_config
 from async_dapo.data import (
-    DatasetError, LEVELS, fit_prompt_lengths, load_rows, source_name, synthetic_problems, synthetic_response,
-    synthetic_rows, write_rows,
+    DatasetError, LEVELS, fit_prompt_lengths, load_rows, source_name, synthetic_distinct_rows, synthetic_problems,
+    synthetic_response, synthetic_rows, val_rows, write_rows,
 )
 
 DAPO_ROW = {  # the shape of a DAPO-Math-17k row as users have it
@@ -87,6 +89,49 @@ def test_synthetic_rows_deterministic_and_balanced():
         if "+" in row.prompt[0].content else row.prompt[0].content.removeprefix("What is ").removesuffix("?").partition("-")
     assert int(row.ground_truth) == (int(a_) + int(b_) if op == "+" else int(a_) - int(b_))
     assert synthetic_response(row) == f"Answer: {row.ground_truth}"
+
+
+def _val_cfg(*overrides):
+    return load_config(None, ["data.synthetic.levels=[1,2]", "data.synthetic.heldout_fraction=0.3", *overrides])
+
+
+def test_synthetic_val_rows_are_every_distinct_heldout_problem_once():
+    heldout = {q for lv in (1, 2) for q, _ in synthetic_problems(lv, "val", 0.3)}
+    assert len(heldout) == 50 + 554  # level 1 has 50 held-out problems, level 2 has 554
+    rows = val_rows(_val_cfg("logging.val_prompts=1000"))  # more than there are: no cycling
+    questions = [r.prompt[0].content for r in rows]
+    assert len(questions) == len(set(questions)) == 604 and set(questions) == heldout
+    assert [r.extra_info["index"] for r in rows] == list(range(604))
+    assert {r.extra_info["split"] for r in rows} == {"val"}
+    # Levels alternate until level 1's 50 are used up (rows 0..99), then only level 2 is left.
+    assert [r.extra_info["level"] for r in rows[:100]] == [1, 2] * 50
+    assert {r.extra_info["level"] for r in rows[100:]} == {2}
+    q, ans = next((q, a) for q, a in synthetic_problems(1, "val", 0.3) if q == rows[0].prompt[0].content)
+    assert rows[0].ground_truth == str(ans)
+
+
+def test_synthetic_val_rows_cap_and_alternate():
+    rows = val_rows(_val_cfg("logging.val_prompts=7"))
+    assert [r.extra_info["level"] for r in rows] == [1, 2, 1, 2, 1, 2, 1]
+    assert len({r.prompt[0].content for r in rows}) == 7
+    # Deterministic in logging.seed; while no level runs out it is the training-style interleave.
+    assert rows == synthetic_distinct_rows("val", levels=[1, 2], heldout_fraction=0.3, seed=0, limit=7)
+    assert rows == synthetic_rows("val", 7, levels=[1, 2], heldout_fraction=0.3, seed=0)
+    assert rows != val_rows(_val_cfg("logging.val_prompts=7", "logging.seed=1"))
+
+
+def test_file_val_rows_drop_repeated_prompts(tmp_path, caplog):
+    base = synthetic_rows("train", 3, levels=[3], heldout_fraction=0.1, seed=0)  # 3 distinct prompts
+    other_role = base[0].model_copy(update={"prompt": [base[0].prompt[0].model_copy(update={"role": "system"})]})
+    rows = [base[0], base[1], base[0], base[2], base[1], base[0], other_role]  # verl-style repeats
+    path = tmp_path / "val.jsonl"
+    write_rows(rows, path)
+    with caplog.at_level(logging.INFO, logger="async_dapo.data"):
+        got = val_rows(_val_cfg(f"data.val={path}", "logging.val_prompts=100"))
+    assert got == [base[0], base[1], base[2], other_role]  # first occurrence wins; the role is part of the prompt
+    assert f"{path}: removed 3 duplicate prompt rows of 7 (4 distinct)" in caplog.text
+    capped = val_rows(_val_cfg(f"data.val={path}", "logging.val_prompts=2"))
+    assert capped == [base[0], base[1]]  # deduplicated before the cap
 
 
 def test_cursor_epochs_are_permutations_and_resume_exactly():

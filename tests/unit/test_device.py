@@ -55,3 +55,16 @@ def test_resolve_device():
         assert device.resolve_device("auto") == "cpu"
         with pytest.raises(RuntimeError, match="cuda"):
             device.resolve_device("cuda")
+
+
+def test_engine_sleeps_when_idle_on_cpu_only_unless_configured(monkeypatch):
+    # A busy-polling scheduler takes a core from the learner on a 2-core machine (docs/training.md).
+    from async_dapo import engine
+    from async_dapo.config import EngineConfig
+    from async_dapo.engine import engine_kwargs
+
+    monkeypatch.setattr(engine, "resolve_device", lambda d: d)  # no GPU here: test the choice, not the device
+
+    assert engine_kwargs(EngineConfig(device="cpu"), "m")["sleep_on_idle"] is True
+    assert engine_kwargs(EngineConfig(device="cuda"), "m")["sleep_on_idle"] is False
+    assert engine_kwargs(EngineConfig(device="cpu", sleep_on_idle=False), "m")["sleep_on_idle"] is False

@@ -18,19 +18,29 @@ class FakeTM:
     """Answers generate_request with scripted results: 'abort', 'ok' or 'hang'."""
 
     def __init__(self, script):
-        self.script, self.calls, self.aborted = list(script), 0, []
+        self.script, self.calls, self.aborted, self.batches, self.rids = list(script), 0, [], 0, []
+        self.last_receive_tstamp = 0.0  # no output ever reaches this tokenizer manager by itself
 
     def generate_request(self, obj, request):
-        kind = self.script[min(self.calls, len(self.script) - 1)]
-        self.calls += 1
+        # A batch (n completions of one prompt, as the rollout sends a group) takes one script entry each.
+        batch = isinstance(obj.rid, list)
+        self.rids.append(obj.rid)
+        kinds = [self._next() for _ in (obj.rid if batch else [obj.rid])]
+        self.batches += batch
 
         async def gen():
-            if kind == "hang":
+            if "hang" in kinds:
                 await asyncio.sleep(3600)
-            finish = {"type": "abort"} if kind == "abort" else {"type": "stop"}
-            yield {"output_ids": [5], "meta_info": {"finish_reason": finish, "output_token_logprobs": [(-0.1, 5)]}}
+            outs = [{"output_ids": [5], "meta_info": {"finish_reason": {"type": "abort" if k == "abort" else "stop"},
+                                                      "output_token_logprobs": [(-0.1, 5)]}} for k in kinds]
+            yield outs if batch else outs[0]
 
         return gen()
+
+    def _next(self):
+        kind = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        return kind
 
     def abort_request(self, rid):
         self.aborted.append(rid)
@@ -49,6 +59,43 @@ def test_foreign_aborts_are_retried_then_fail_the_group():
     with pytest.raises(GroupFailed) as err:
         asyncio.run(s.sample_once([1, 2], {}))
     assert err.value.reason == "aborted" and s.tm.calls == 3  # 1 try + max_abort_retries (2)
+
+
+def test_a_group_is_one_batch_and_only_its_aborted_samples_are_redrawn():
+    # 4 samples in one batch request; samples 2 and 4 aborted by the engine -> each redrawn alone.
+    s = _session(["ok", "abort", "ok", "abort", "ok", "ok"])
+    outs = asyncio.run(s.sample_n([1, 2], {}, 4))
+    assert s.tm.batches == 1 and s.tm.calls == 6 and s.stats.resampled == 2
+    assert [o["output_ids"] for o in outs] == [[5]] * 4 and all("_start_version" in o for o in outs)
+    # A foreign abort in the batch is the first try: max_abort_retries (2) more, then the group fails.
+    s = _session(["abort"])
+    with pytest.raises(GroupFailed) as err:
+        asyncio.run(s.sample_n([1], {}, 2))
+    assert err.value.reason == "aborted"
+    assert s.tm.calls == 2 + 2 * 2  # the batch of 2, then 2 retries for each of its 2 samples
+
+
+def test_a_hung_batch_times_out_and_aborts_every_sample():
+    s = _session(["hang"])
+    with pytest.raises(GroupFailed) as err:
+        asyncio.run(s.sample_n([1], {}, 3))
+    assert err.value.reason == "timeout" and len(s.tm.aborted) == 3 and len(set(s.tm.aborted)) == 3
+
+
+class _EosTok:
+    eos_token_id = 2
+
+
+def test_heartbeat_passes_for_a_healthy_engine_and_fails_for_a_silent_one():
+    s = _session(["ok"])
+    s.tokenizer = _EosTok()
+    asyncio.run(s.probe(2.0))  # one single request with its own probe id, answered: alive
+    assert s.tm.calls == 1 and s.tm.batches == 0 and s.tm.rids[0].startswith("probe-")
+    s = _session(["hang"])
+    s.tokenizer = _EosTok()
+    with pytest.raises(RuntimeError, match="hung"):
+        asyncio.run(s.probe(0.2))
+    assert s.tm.aborted == s.tm.rids and s.tm.aborted[0].startswith("probe-")  # not left in the engine
 
 
 def test_aborts_by_our_own_update_are_not_counted():
