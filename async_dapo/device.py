@@ -61,8 +61,11 @@ def seed_everything(seed: int) -> None:
 
 
 def pin_threads(n: int = 1) -> None:
-    """One intra-op thread per busy process on small machines (2 busy x 2 threads ran 10-30x slower)."""
+    """One intra-op thread per busy process on small machines (2 busy x 2 threads ran 10-30x slower). Also
+    for the processes this one starts (an in-process SGLang engine's scheduler): under Ray they inherit the
+    actor's OMP_NUM_THREADS, outside Ray nothing else would set it."""
     torch.set_num_threads(n)
+    os.environ.setdefault("OMP_NUM_THREADS", str(n))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
