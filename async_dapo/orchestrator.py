@@ -62,6 +62,7 @@ class Run:
         self._t_start = time.perf_counter()
         self._steps_done = 0
         self._push_failed_before = False
+        self._val_rows: list | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
@@ -279,9 +280,9 @@ class Run:
                   "max_new_tokens": self.cfg.rollout.max_response_length}
         what = f"validation at step {step}"
         try:
-            if not hasattr(self, "val_rows"):  # built once: a file's dedup is logged once
-                self.val_rows = val_rows(self.cfg)
-            res = self.placed.get(self.placed.engines[0].validate.remote(self.val_rows, lg.val_n, params),
+            if self._val_rows is None:  # built once: a file's dedup is logged once
+                self._val_rows = val_rows(self.cfg)
+            res = self.placed.get(self.placed.engines[0].validate.remote(self._val_rows, lg.val_n, params),
                                   what, lg.val_timeout_s)
         except RunFailed as exc:  # engine 0 may have died: replace it; a metric never ends the run
             if isinstance(exc, ActorDied) or not isinstance(exc, WaitExpired):
