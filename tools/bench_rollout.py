@@ -78,7 +78,9 @@ async def _bare_loop(engine, prompts, n, params, inflight, warmup_groups, repeat
     feeder = asyncio.ensure_future(feed())
     warmed = asyncio.ensure_future(warm.wait())
     try:
-        await asyncio.wait({feeder, warmed}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({feeder, warmed}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
+        if not (feeder.done() or warmed.done()):
+            raise TimeoutError(f"bare engine: {warmup_groups} warm-up groups not done in 600 s")
         if feeder.done():
             feeder.result()
         runs = []
@@ -132,13 +134,13 @@ def _actor(cfg, inflight, repeats, pushes, window_s):
         for _ in range(repeats):
             # Steady-state rate over a window: the actor streams continuously (it does not wait for a
             # batch to finish), so batch hand-out times would count groups generated earlier.
-            before, t = ray.get(actor.get_stats.remote()), time.perf_counter()
+            before, t = ray.get(actor.get_stats.remote(), timeout=60), time.perf_counter()
             time.sleep(window_s)
-            after, dt = ray.get(actor.get_stats.remote()), time.perf_counter() - t
+            after, dt = ray.get(actor.get_stats.remote(), timeout=60), time.perf_counter() - t
             if after["failed_groups"] != before["failed_groups"]:
                 raise RuntimeError(f"groups failed during the window: {after}")
             runs.append((dt, after["groups_sent"] - before["groups_sent"], after["gen_tokens"] - before["gen_tokens"]))
-            ray.get(queue.get_batch.remote(None, 0.5))  # keep the queue from filling up
+            ray.get(queue.get_batch.remote(None, 0.5), timeout=60)  # keep the queue from filling up
         port = free_port()
         joined = actor.join_weight_group.remote("127.0.0.1", port, 2, 1, "bench", "gloo")
         pg = open_update_group("127.0.0.1", port, 2, "bench", "gloo", timeout_s=120)
