@@ -38,6 +38,8 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 MARKER = "bootstrap.json"
+# Greedy checks generate at most this many tokens: the answer line is 3-5 tokens, a 'steps' response ~16.
+CHECK_TOKENS = {"answer": 8, "steps": 24}
 
 
 @dataclass(frozen=True)
@@ -113,12 +115,12 @@ def encode_prompt(tokenizer, row: PromptRow) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _sft_batch(tokenizer, rows: list[PromptRow], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sft_batch(tokenizer, rows: list[PromptRow], pad_id: int, style: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded input ids and labels (-100 on prompt and padding: loss on the response only)."""
     seqs, labels = [], []
     for row in rows:
         p = encode_prompt(tokenizer, row)
-        r = tokenizer.encode(synthetic_response(row) + EOS, add_special_tokens=False)
+        r = tokenizer.encode(synthetic_response(row, style) + EOS, add_special_tokens=False)
         seqs.append(p + r)
         labels.append([-100] * len(p) + r)
     width = max(len(s) for s in seqs)
@@ -132,10 +134,11 @@ def _sft_batch(tokenizer, rows: list[PromptRow], pad_id: int) -> tuple[torch.Ten
 
 def supervised_warm_start(
     model, tokenizer, rows: list[PromptRow], tc: TinyModelConfig, steps: int | None = None,
-    after_step: Callable[[int], bool | None] | None = None,
+    after_step: Callable[[int], bool | None] | None = None, style: str = "answer",
 ) -> int:
     """AdamW with cosine decay over ``tc.sft_schedule_steps`` (default ``tc.sft_steps``), batches drawn
-    cyclically from ``rows``; runs ``steps`` steps (default ``tc.sft_steps``). ``after_step(step)`` is
+    cyclically from ``rows`` with reference responses in ``style`` (``data.synthetic.response_style``);
+    runs ``steps`` steps (default ``tc.sft_steps``). ``after_step(step)`` is
     called after each step; returning True ends the warm start there (the target check does that;
     tools/sft_baseline.py continues past the bootstrap's stop with it). Returns the steps run."""
     pad_id = tokenizer.pad_token_id
@@ -149,7 +152,7 @@ def supervised_warm_start(
     done = 0
     for step in range(tc.sft_steps if steps is None else steps):
         start = (step * bs) % len(rows)
-        ids, lab = _sft_batch(tokenizer, (rows + rows)[start : start + bs], pad_id)
+        ids, lab = _sft_batch(tokenizer, (rows + rows)[start : start + bs], pad_id, style)
         loss = model(input_ids=ids, attention_mask=(ids != pad_id).long(), labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -202,7 +205,8 @@ def untrained(cfg: Config) -> tuple[Any, Any, list[PromptRow]]:
     assert tc is not None
     train = synthetic_rows("train", 20000, levels=task.levels, heldout_fraction=task.heldout_fraction,
                            seed=tc.seed)
-    corpus = [f"user\n{r.prompt[0].content}\nassistant\n{synthetic_response(r)}" for r in train[:2000]]
+    corpus = [f"user\n{r.prompt[0].content}\nassistant\n{synthetic_response(r, task.response_style)}"
+              for r in train[:2000]]
     tokenizer = build_tokenizer(corpus)
     model = build_model(tc, tokenizer, max_positions=cfg.rollout.engine.context_length or 2048)
     return tokenizer, model, train
@@ -223,11 +227,12 @@ class TargetCheck:
         self.rows = {lv: synthetic_distinct_rows("train", levels=[lv], heldout_fraction=task.heldout_fraction,
                                                  seed=tc.seed, limit=tc.eval_prompts) for lv in task.levels}
         self.model, self.tokenizer = model, tokenizer
+        self.max_tokens = CHECK_TOKENS[task.response_style]
         self.trace: list[tuple[int, float]] = []  # (step, target level's accuracy)
         self.others: dict[int, float] = {}  # the other levels at the last check that measured them
 
     def _accuracy(self, level: int) -> float:
-        ok = greedy_accuracy(self.model, self.tokenizer, self.rows[level], max_new_tokens=8)
+        ok = greedy_accuracy(self.model, self.tokenizer, self.rows[level], max_new_tokens=self.max_tokens)
         return round(sum(ok) / len(ok), 4)
 
     def __call__(self, step: int) -> bool:
@@ -287,11 +292,12 @@ def bootstrap(cfg: Config, force: bool = False) -> BootstrapReport:
     val = synthetic_distinct_rows("val", levels=task.levels, heldout_fraction=task.heldout_fraction,
                                   seed=tc.seed, limit=tc.eval_prompts)
     check = TargetCheck(cfg, model, tokenizer) if tc.sft_target_accuracy is not None else None
-    steps = supervised_warm_start(model, tokenizer, train, tc, after_step=check)
+    steps = supervised_warm_start(model, tokenizer, train, tc, after_step=check, style=task.response_style)
     reason = check.reason(steps) if check else f"fixed step count (sft_steps {steps}, no sft_target_accuracy)"
     log.info("warm start stopped after %d steps: %s", steps, reason)
-    val_ok = greedy_accuracy(model, tokenizer, val, max_new_tokens=8)
-    train_ok = greedy_accuracy(model, tokenizer, train[-tc.eval_prompts:], max_new_tokens=8)
+    most = CHECK_TOKENS[task.response_style]
+    val_ok = greedy_accuracy(model, tokenizer, val, max_new_tokens=most)
+    train_ok = greedy_accuracy(model, tokenizer, train[-tc.eval_prompts:], max_new_tokens=most)
     by_level = {
         lv: sum(ok for ok, r in zip(val_ok, val) if r.extra_info["level"] == lv)
         / max(1, sum(r.extra_info["level"] == lv for r in val))

@@ -92,6 +92,13 @@ class SyntheticTaskConfig(_Section):
     heldout_fraction: float = Field(
         0.1, gt=0, lt=1, description="Fraction of the problem space held out (by hash) for validation."
     )
+    response_style: Literal["answer", "steps"] = Field(
+        "answer", description="The warm start's reference response. 'answer': the answer line only "
+        "('Answer: 52', 3-5 tokens). 'steps': problems with a carry or a borrow first show it ('7+5=12, "
+        "carry 1. Answer: 52'), so response length grows with difficulty and a response budget can truncate "
+        "the harder ones (the DAPO ablation's overlong rows need that). The reward reads the answer line "
+        "either way.",
+    )
 
     @model_validator(mode="after")
     def _levels_known(self) -> "SyntheticTaskConfig":

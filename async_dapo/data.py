@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,9 +213,27 @@ def synthetic_distinct_rows(split: Literal["train", "val"], *, levels: list[int]
     return rows
 
 
-def synthetic_response(row: PromptRow) -> str:
-    """The reference response used by the supervised warm start: the DAPO answer line."""
-    return f"Answer: {row.ground_truth}"
+_QUESTION = re.compile(r"What is (\d+)([-+*])(\d+)\?")
+
+
+def synthetic_response(row: PromptRow, style: Literal["answer", "steps"] = "answer") -> str:
+    """The reference response used by the supervised warm start: the DAPO answer line, preceded in the
+    'steps' style by the units-digit carry or borrow when there is one, for half of the problems (by hash):
+    so the warm-started policy writes both forms and RL can learn the short one under a tight response
+    budget (see ``response_style``)."""
+    answer = f"Answer: {row.ground_truth}"
+    match = _QUESTION.fullmatch(row.prompt[-1].content)
+    if style == "answer" or match is None:
+        return answer
+    a, op, b = int(match[1]), match[2], int(match[3])
+    ua, ub = a % 10, b % 10
+    if hashlib.sha256(match[0].encode()).digest()[0] % 2:
+        return answer  # half of the problems never show work: the policy sees both forms of a carry
+    if op == "+" and ua + ub >= 10:
+        return f"{ua}+{ub}={ua + ub}, carry 1. {answer}"
+    if op == "-" and a >= 10 and ua < ub:
+        return f"1{ua}-{ub}={10 + ua - ub}, borrow 1. {answer}"
+    return answer
 
 
 # ------------------------------------------------------------------------------ configured sources

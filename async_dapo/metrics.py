@@ -57,8 +57,8 @@ def batch_metrics(groups: list[Group], trained_version: int) -> dict[str, float]
 
 def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,
                  timing: dict[str, float]) -> dict[str, float]:
-    """All tags of one step. ``timing`` holds step_s, wait_data_s, weight_push_s, gen_tokens_per_s,
-    rollout_idle_ratio (measured by the orchestrator)."""
+    """All tags of one step. ``timing`` holds step_s, wait_data_s, weight_push_s, weight_push_stall_s,
+    gen_tokens_per_s, rollout_idle_ratio (measured by the orchestrator)."""
     out = batch_metrics(groups, trained_version)
     out.update({tag: float(learner[k]) for k, tag in _LEARNER_TAGS.items() if k in learner})
     out.update({tag: float(queue[k]) for k, tag in _QUEUE_TAGS.items() if k in queue})
@@ -67,7 +67,8 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
     step_s = max(timing["step_s"], 1e-9)
     out.update({
         "perf/step_s": step_s, "perf/wait_data_s": timing["wait_data_s"],
-        "perf/weight_push_s": timing["weight_push_s"], "perf/gen_tokens_per_s": timing["gen_tokens_per_s"],
+        "perf/weight_push_s": timing["weight_push_s"], "perf/weight_push_stall_s": timing.get("weight_push_stall_s", 0.0),
+        "perf/gen_tokens_per_s": timing["gen_tokens_per_s"],
         "perf/train_tokens_per_s": learner["train_tokens"] / max(learner["train_s"], 1e-9),
         "perf/learner_idle_ratio": min(1.0, timing["wait_data_s"] / step_s),
         "perf/rollout_idle_ratio": timing["rollout_idle_ratio"],

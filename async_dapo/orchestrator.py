@@ -62,6 +62,7 @@ class Run:
         self._t_start = time.perf_counter()
         self._steps_done = 0
         self._push_failed_before = False
+        self._push_stall_s = 0.0
         self._val_rows: list | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -221,8 +222,10 @@ class Run:
         supervisor replaces that engine (which pushes the current weights itself); if every engine is
         healthy, the failure was transient and this push simply goes ahead (a second failure in a row
         then stops the run)."""
+        t0 = time.perf_counter()
         with self.clock.phase("weight_push"):
             self._push_weights()
+        self._push_stall_s = time.perf_counter() - t0  # what the loop lost to the push this step
 
     def _push_weights(self) -> None:
         try:
@@ -255,12 +258,13 @@ class Run:
         now = time.perf_counter()
         dt = max(roll["t"] - self._last["t"], 1e-9)  # between the two snapshots of the engines' counters
         timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s,
-                  "weight_push_s": push.get("push_s", 0.0),
+                  "weight_push_s": push.get("push_s", 0.0), "weight_push_stall_s": self._push_stall_s,
                   # max(0, .): a replaced engine starts its counters from zero
                   "gen_tokens_per_s": max(0.0, roll["gen_tokens"] - self._last["gen_tokens"]) / dt,
                   "rollout_idle_ratio": min(1.0, max(0.0, roll["idle_seconds"] - self._last["idle"])
                                             / dt / roll["engines"])}
         self._last = {"gen_tokens": roll["gen_tokens"], "idle": roll["idle_seconds"], "t": roll["t"]}
+        self._push_stall_s = 0.0  # a step without a push (weight_sync.every_k_steps > 1) stalls nothing
         m = step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing)
         m["rollout/engine_restarts"] = float(self.supervisor.restarts)
         self.metrics.write(step, m)

@@ -67,7 +67,8 @@ def main() -> None:
             print("| " + " | ".join(cells) + " |", flush=True)
         clock["t"] = time.perf_counter() if extra >= 0 else None
 
-    supervised_warm_start(model, tokenizer, train, tc, steps=stop + args.extra, after_step=after_step)
+    supervised_warm_start(model, tokenizer, train, tc, steps=stop + args.extra, after_step=after_step,
+                          style=cfg.data.synthetic.response_style)
 
 
 if __name__ == "__main__":

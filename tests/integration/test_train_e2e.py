@@ -21,7 +21,7 @@ REQUIRED_TAGS = """reward/mean reward/acc_mean response/length_mean response/len
 actor/entropy actor/token_prob_mean actor/pg_clipfrac_upper actor/pg_clipfrac_lower actor/ppo_kl actor/grad_norm
 actor/is_weight_mean actor/is_weight_max actor/rollout_logprob_abs_diff staleness/mean staleness/max queue/depth
 queue/dropped_all_correct queue/dropped_all_wrong queue/dropped_stale queue/rejected_malformed
-perf/gen_tokens_per_s perf/train_tokens_per_s perf/step_s perf/wait_data_s perf/weight_push_s
+perf/gen_tokens_per_s perf/train_tokens_per_s perf/step_s perf/wait_data_s perf/weight_push_s perf/weight_push_stall_s
 perf/learner_idle_ratio perf/rollout_idle_ratio train/version val/avg_at_k val/pass_at_k val/maj_at_k""".split()
 ETA = 1
 

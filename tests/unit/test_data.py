@@ -7,9 +7,10 @@ import pytest
 
 from async_dapo.config import load_config
 from async_dapo.data import (
-    DatasetError, LEVELS, fit_prompt_lengths, load_rows, source_name, synthetic_distinct_rows, synthetic_problems,
-    synthetic_response, synthetic_rows, val_rows, write_rows,
+    DatasetError, LEVELS, Message, RewardSpec, fit_prompt_lengths, load_rows, source_name, synthetic_distinct_rows,
+    synthetic_problems, synthetic_response, synthetic_rows, val_rows, write_rows,
 )
+from async_dapo.reward import dapo_math_score
 
 DAPO_ROW = {  # the shape of a DAPO-Math-17k row as users have it
     "data_source": "math_dapo",
@@ -89,6 +90,26 @@ def test_synthetic_rows_deterministic_and_balanced():
         if "+" in row.prompt[0].content else row.prompt[0].content.removeprefix("What is ").removesuffix("?").partition("-")
     assert int(row.ground_truth) == (int(a_) + int(b_) if op == "+" else int(a_) - int(b_))
     assert synthetic_response(row) == f"Answer: {row.ground_truth}"
+
+
+def _row(question: str, answer: int):
+    return synthetic_rows("train", 1, levels=[2], heldout_fraction=0.1, seed=0)[0].model_copy(update={
+        "prompt": [Message(role="user", content=question)],
+        "reward_model": RewardSpec(style="rule", ground_truth=str(answer))})
+
+
+def test_steps_style_shows_the_carry_or_borrow_before_the_answer_line_for_half_of_the_problems():
+    assert synthetic_response(_row("What is 14+7?", 21), "steps") == "4+7=11, carry 1. Answer: 21"
+    assert synthetic_response(_row("What is 11-3?", 8), "steps") == "11-3=8, borrow 1. Answer: 8"
+    assert synthetic_response(_row("What is 2+8?", 10), "steps") == "2+8=10, carry 1. Answer: 10"
+    # a carry in the other half (by hash), no carry, a one-digit subtraction, a product: the answer line only
+    for q, a in [("What is 11+9?", 20), ("What is 14+2?", 16), ("What is 2-7?", -5), ("What is 12*3?", 36)]:
+        assert synthetic_response(_row(q, a), "steps") == f"Answer: {a}"
+    assert synthetic_response(_row("What is 14+7?", 21)) == "Answer: 21"  # the default style
+    carries = [_row(q, a) for q, a in synthetic_problems(2, "train", 0.1) if "+" in q and int(q[9]) + int(q[-2]) >= 10]
+    shown = sum(synthetic_response(r, "steps") != synthetic_response(r) for r in carries) / len(carries)
+    assert 0.4 < shown < 0.6
+    assert dapo_math_score("4+7=11, carry 1. Answer: 21", "21").acc  # the reward reads the answer line
 
 
 def _val_cfg(*overrides):

@@ -1,0 +1,71 @@
+"""The benchmark and study tools run end to end on the real stack (their --quick presets) and write what they
+promise: a table, a CSV and a PNG whose numbers are all finite, and positive where a rate or a time is.
+No speed threshold: tools measure, tests check behaviour."""
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(args: list[str], timeout: int) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def _csv(path: Path) -> list[dict]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_bench_throughput_quick(tiny_model, tmp_path):
+    out = _run(["tools/bench_throughput.py", "--quick", "--model", str(tiny_model), "--out", str(tmp_path)], 900)
+    rows = _csv(tmp_path / "default" / "throughput.csv")
+    assert [r["mode"] for r in rows] == ["sync", "eta2"] and [r["eta"] for r in rows] == ["0", "2"]
+    positive = ["steps_per_s", "samples_per_s", "gen_tokens_per_s", "trained_tokens_per_s", "push_s",
+                "stall_per_push_s", "speedup", "ideal_speedup", "overlap_efficiency", "g_s", "t_s"]
+    ratios = ["learner_idle", "rollout_idle", "staleness_mean", "staleness_max"]  # 0 is a valid value (sync)
+    for r in rows:
+        for col in positive:
+            assert math.isfinite(float(r[col])) and float(r[col]) > 0, (r["mode"], col, r[col])
+        for col in ratios:
+            assert math.isfinite(float(r[col])) and float(r[col]) >= 0, (r["mode"], col, r[col])
+        assert float(r["learner_idle"]) <= 1 and float(r["rollout_idle"]) <= 1
+        assert float(r["staleness_max"]) <= int(r["eta"])  # the queue's per-sample bound
+    assert float(rows[0]["speedup"]) == 1.0  # sync is the reference
+    assert 1 <= float(rows[0]["ideal_speedup"]) <= 2  # (g + t) / max(g, t) with sync's own g
+    assert float(rows[0]["staleness_max"]) == 0.0
+    assert (tmp_path / "default" / "throughput.png").read_bytes()[:8] == PNG
+    assert "| sync | 0 |" in out and "g = sync " in out
+
+
+def test_ablate_staleness_quick(tmp_path):
+    out = _run(["tools/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 1200)
+    study = tmp_path / "staleness"
+    runs = _csv(study / "runs.csv")
+    assert [(r["cell"], r["seed"]) for r in runs] == [("eta0/none", "0"), ("eta1/decoupled", "0")]
+    for r in runs:
+        assert int(r["steps"]) == 4 and float(r["distinct_val"]) >= 1000
+        for col in ("avg_at_k_0", "avg_at_k_end", "samples", "wall_min"):
+            assert math.isfinite(float(r[col])) and float(r[col]) > 0, (r["cell"], col, r[col])
+        for col in ("gain_pt", "best_gain_pt", "truncated_step1", "staleness_mean"):
+            assert math.isfinite(float(r[col])), (r["cell"], col, r[col])
+        assert float(r["best_gain_pt"]) >= float(r["gain_pt"])
+    assert float(runs[0]["staleness_mean"]) == 0.0  # eta 0: every sample from the current policy
+    curves = _csv(study / "curves.csv")
+    assert sorted({int(c["step"]) for c in curves}) == [0, 2, 4]  # validation every 2 steps
+    assert all(0 < float(c["avg_at_k"]) < 1 for c in curves)
+    assert (study / "curves.png").read_bytes()[:8] == PNG
+    assert "| eta0/none | 1 |" in (study / "table.md").read_text() and "eta1/decoupled" in out
+    # resumable: a second invocation finds both runs finished and runs nothing
+    again = _run(["tools/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 600)
+    assert again.count("finished earlier") == 2

@@ -1,0 +1,147 @@
+"""tools/ablate.py's grids: every cell is a valid config that says what its name says, the DAPO rows are
+cumulative, and cluster submission runs each unfinished run once, at most --max-jobs at a time (the Ray job
+client is replaced by a recorder here; tests/integration/test_tools.py runs the real local path)."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from async_dapo.config import dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+import ablate  # noqa: E402
+
+CONFIG = REPO / "configs" / "tiny_cpu.yaml"
+
+
+def _cfg(sets):
+    return load_config(CONFIG, [*ablate.VAL, *sets])
+
+
+@pytest.mark.parametrize("study", sorted(ablate.STUDIES))
+@pytest.mark.parametrize("preset", ["quick", "full", "grid"])
+def test_every_cell_of_every_preset_loads(study, preset):
+    cells, presets = ablate.STUDIES[study]
+    p = presets[preset]
+    for name in p.cells:
+        _cfg([*p.extra, *cells(64)[name]])  # raises ConfigError naming the field on a bad override
+
+
+def test_staleness_cells_set_eta_correction_and_the_admission_window():
+    cells = ablate.staleness_cells([0, 4], batch=64)
+    assert list(cells) == ["eta0/none", "eta0/naive", "eta0/decoupled", "eta4/none", "eta4/naive", "eta4/decoupled"]
+    cfg = _cfg(cells["eta4/naive"])
+    assert (cfg.replay.max_staleness, cfg.algorithm.correction.mode) == (4, "naive")
+    assert cfg.rollout.max_inflight_prompts == 5 * 64 and cfg.replay.capacity_groups == 320
+    assert _cfg(cells["eta0/none"]).rollout.max_inflight_prompts == 64
+
+
+def test_full_presets_cover_what_the_issue_asks():
+    cells, presets = ablate.STUDIES["staleness"]
+    full = presets["full"]
+    assert {c.split("/")[0] for c in full.cells} == {"eta0", "eta1", "eta4"} and len(full.cells) == 9
+    assert len(full.seeds) >= 3 and len(presets["grid"].cells) == 15
+    assert len(ablate.STUDIES["dapo"][1]["full"].cells) == 6 and len(ablate.STUDIES["dapo"][1]["full"].seeds) >= 3
+
+
+def test_dapo_rows_are_cumulative_from_naive_grpo_to_dapo():
+    rows = {name: _cfg([*ablate.DAPO_TASK, *sets]) for name, sets in ablate.dapo_cells().items()}
+    names = list(rows)
+    assert names == ["naive GRPO", "+ overlong filtering", "+ clip-higher", "+ soft overlong punishment",
+                     "+ token-level loss", "+ dynamic sampling (DAPO)"]
+
+    def flags(c):
+        a = c.algorithm
+        return {"clip_high": a.clip_high, "agg": a.loss_agg_mode, "filter": a.overlong_filtering,
+                "soft": c.reward.overlong_buffer_enable, "ds": a.dynamic_sampling.enable}
+
+    got = [flags(rows[n]) for n in names]
+    assert got[0] == {"clip_high": 0.2, "agg": "seq-mean-token-mean", "filter": False, "soft": False, "ds": False}
+    assert got[-1] == {"clip_high": 0.28, "agg": "token-mean", "filter": True, "soft": True, "ds": True}
+    changed = [[k for k in got[i] if got[i][k] != got[i - 1][k]] for i in range(1, len(got))]
+    assert changed == [["filter"], ["clip_high"], ["soft"], ["agg"], ["ds"]]  # one technique per row
+    for c in rows.values():  # the task that makes length matter, and the symmetric low clip, in every row
+        assert (c.rollout.max_response_length, c.reward.overlong_buffer_length) == (15, 5)
+        assert c.data.synthetic.response_style == "steps" and c.algorithm.clip_low == 0.2
+
+
+class _Client:
+    """Records submissions; every job succeeds at the first status check after its submission. ``listed``:
+    jobs the head already knows (an earlier invocation's)."""
+
+    def __init__(self, address, listed=()):
+        self.address, self.submitted, self.max_running, self.running = address, [], 0, set()
+        self.listed = [types.SimpleNamespace(submission_id=sid, status=st) for sid, st in listed]
+        self.running.update(sid for sid, st in listed if st == "RUNNING")
+
+    def list_jobs(self):
+        return self.listed
+
+    def submit_job(self, entrypoint, submission_id, runtime_env):
+        self.submitted.append((submission_id, entrypoint, runtime_env))
+        self.running.add(submission_id)
+        self.max_running = max(self.max_running, len(self.running))
+        return submission_id
+
+    def get_job_status(self, sid):
+        self.running.discard(sid)
+        return "SUCCEEDED"
+
+
+def _cluster(tmp_path, monkeypatch, client):
+    fake = types.SimpleNamespace(JobSubmissionClient=lambda address: client,
+                                 JobStatus=types.SimpleNamespace(SUCCEEDED="SUCCEEDED", FAILED="FAILED", STOPPED="STOPPED"))
+    monkeypatch.setitem(sys.modules, "ray.job_submission", fake)
+    monkeypatch.setattr(ablate.time, "sleep", lambda s: None)
+    args = types.SimpleNamespace(study="staleness", preset="full", seeds=None, out=tmp_path, overrides=[],
+                                 address="http://head:8265", max_jobs=2, run_timeout=60, config=str(CONFIG))
+    cells, presets = ablate.STUDIES["staleness"]
+    return args, ablate.plan(args, presets["full"], cells(64), tmp_path / "model")
+
+
+def test_cluster_submission_runs_each_unfinished_run_once_within_max_jobs(tmp_path, monkeypatch):
+    client = _Client("http://head:8265")
+    args, jobs = _cluster(tmp_path, monkeypatch, client)
+    done = jobs[0].run_dir  # finished earlier with this config: its metrics reach the last step, then the end
+    done.mkdir(parents=True)
+    (done / "metrics.jsonl").write_text(json.dumps({"step": 80, "perf/step_s": 1.0}) + "\n"
+                                        + json.dumps({"step": 80, "time/total_s": 1.0}) + "\n")
+    dump_config(load_config(CONFIG, jobs[0].sets), done / "config.yaml")
+    ablate.run_cluster(args, jobs)
+    assert len(client.submitted) == len(jobs) - 1 == 26 and client.max_running <= 2
+    entries = [e for _, e, _ in client.submitted]
+    assert all(e.startswith(f"async-dapo train --config {CONFIG}") for e in entries)
+    assert all("placement.ray_address=auto" in e for e in entries)
+    assert str(done) not in " ".join(entries)
+    assert [sid for sid, _, _ in client.submitted][:2] == ["ablate-staleness-full-eta0_none-s1",
+                                                          "ablate-staleness-full-eta0_none-s2"]
+    assert all(env == {"working_dir": str(ablate.REPO)} for _, _, env in client.submitted)
+
+
+def test_cluster_rerun_adopts_a_running_job_and_retries_a_failed_one(tmp_path, monkeypatch):
+    client = _Client("http://head:8265", listed=[("ablate-staleness-full-eta0_none-s0", "RUNNING"),
+                                                 ("ablate-staleness-full-eta0_none-s1", "FAILED")])
+    args, jobs = _cluster(tmp_path, monkeypatch, client)
+    ablate.run_cluster(args, jobs)
+    ids = [sid for sid, _, _ in client.submitted]
+    assert "ablate-staleness-full-eta0_none-s0" not in ids  # still running: followed, not submitted twice
+    assert ids[0].startswith("ablate-staleness-full-eta0_none-s1-")  # ended unfinished: a new attempt
+    assert len(ids) == len(jobs) - 1
+
+
+def test_a_finished_run_with_another_config_is_not_reused(tmp_path, monkeypatch):
+    args, jobs = _cluster(tmp_path, monkeypatch, _Client("x"))
+    done = jobs[0].run_dir
+    done.mkdir(parents=True)
+    (done / "metrics.jsonl").write_text(json.dumps({"step": 80, "perf/step_s": 1.0}) + "\n"
+                                        + json.dumps({"step": 80, "time/total_s": 1.0}) + "\n")
+    dump_config(load_config(CONFIG, [*jobs[0].sets, "learner.lr=1e-3"]), done / "config.yaml")
+    with pytest.raises(SystemExit, match="another config"):
+        jobs[0].done(args.config)
+    (done / "metrics.jsonl").write_text(json.dumps({"step": 4, "perf/step_s": 1.0}) + "\n"
+                                        + json.dumps({"step": 4, "time/total_s": 1.0}) + "\n")
+    assert not jobs[0].done(args.config)  # ended (killed or failed) before its 80 steps: run it again
