@@ -35,10 +35,10 @@ def run_train(config: str | Path, sets: list[str], log_path: Path, timeout_s: fl
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 15)  # the run's own process group (start_new_session): ours, by PID
+            proc.terminate()  # the driver only: on SIGTERM it ends its actors and its own Ray instance
             try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:  # then the run's process group (start_new_session): ours, by PID
                 os.killpg(proc.pid, 9)
                 proc.wait(timeout=60)
             return 124

@@ -57,7 +57,7 @@ def test_ablate_staleness_quick(tmp_path):
         assert int(r["steps"]) == 4 and float(r["distinct_val"]) >= 1000
         for col in ("avg_at_k_0", "avg_at_k_end", "samples", "wall_min"):
             assert math.isfinite(float(r[col])) and float(r[col]) > 0, (r["cell"], col, r[col])
-        for col in ("gain_pt", "best_gain_pt", "truncated_step1", "staleness_mean"):
+        for col in ("gain_pt", "best_gain_pt", "truncated_first10", "staleness_mean"):
             assert math.isfinite(float(r[col])), (r["cell"], col, r[col])
         assert float(r["best_gain_pt"]) >= float(r["gain_pt"])
     assert float(runs[0]["staleness_mean"]) == 0.0  # eta 0: every sample from the current policy
