@@ -152,6 +152,8 @@ class _Session:
         """``n`` completions of one prompt, requested as one batch. A completion the batch lost to an abort is
         drawn again alone by :meth:`sample_once`, under its rules (an abort we did not cause counts as its
         first try)."""
+        # Bounded by the update that cleared it: update() sets it again in its finally, and the load inside is
+        # bounded by weight_sync.timeout_s (a stuck update gets the actor replaced by the supervisor).
         await self.weights_ready.wait()
         start_version, updates = self.version, self.updates_started
         t0 = time.perf_counter()
@@ -173,7 +175,7 @@ class _Session:
         """One completion; resampled from scratch if an abort-mode update aborted it. An abort we did not
         cause (e.g. the engine refused the request) is retried ``rollout.max_abort_retries`` times."""
         while True:
-            await self.weights_ready.wait()
+            await self.weights_ready.wait()  # bounded as in sample_n
             start_version, updates = self.version, self.updates_started
             t0 = time.perf_counter()
             out = await self._request(prompt_ids, params)
