@@ -308,7 +308,11 @@ class LearnerConfig(_Section):
 
     total_steps: int = Field(40, ge=1, description="Training steps (policy versions) to run.")
     lr: float = Field(1e-4, gt=0, le=1, description="AdamW peak learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps, then constant.")
+    warmup_steps: int = Field(
+        0, ge=0, description="verl's lr_warmup_steps: the LR ramps linearly from 0 over this many TRAINING steps "
+        "(the first step runs at 0; not optimizer updates: a step is train_batch_groups / mini_batch_groups "
+        "updates), then stays constant.",
+    )
     weight_decay: float = Field(0.1, ge=0, le=1, description="AdamW weight decay (recipe: 0.1).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
@@ -318,6 +322,11 @@ class LearnerConfig(_Section):
     epochs: int = Field(1, ge=1, le=32, description="mu: passes over each training batch.")
     micro_batch_tokens: int = Field(
         4096, ge=16, description="Token budget of one packed forward/backward micro-batch."
+    )
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="Token positions per chunk when the learner turns logits into log-probs and "
+        "entropy: its extra memory is 2-4 fp32 chunks (8-16 x this x vocabulary bytes) instead of several fp32 "
+        "copies of a whole micro-batch's logits (async_dapo.loss.token_logprobs; docs/scaling.md).",
     )
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype (MixedPrecisionPolicy); master weights are always fp32."
@@ -349,6 +358,11 @@ class PlacementConfig(_Section):
 
     ray_address: str | None = Field(
         None, description="Ray cluster address; None = join the job's cluster or start a local one."
+    )
+    nnodes: int = Field(
+        1, ge=1, description="verl's trainer.nnodes: the nodes the run spans. With more than one, the config "
+        "must name an absolute logging.run_dir on storage every node shares and a transport.bind_host other "
+        "nodes can reach; a placement that lands on more nodes than this stops the run at start.",
     )
     num_engines: int = Field(1, ge=1, description="Rollout actors (one SGLang engine each).")
     engine_cpus: float = Field(1, gt=0, description="CPUs per rollout actor.")
@@ -532,7 +546,31 @@ class Config(_Section):
                 f"({ro.request_timeout_s:g}): a ticket must not expire while its first request may still run (a "
                 "group that still arrives after its ticket expired is dropped and counted, never trained twice)"
             )
+        _check_multi_node(self)
         return self
+
+
+NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _check_multi_node(cfg: "Config") -> None:
+    """Rules a run on several nodes relies on: every rank writes its checkpoint shards under run_dir (so it
+    must be the same directory on every node) and rollout actors on other nodes connect to the replay
+    queue's bind address."""
+    if cfg.placement.nnodes == 1:
+        return
+    run_dir = cfg.logging.run_dir
+    if not run_dir.is_absolute() or any(run_dir.is_relative_to(d) for d in NODE_LOCAL_DIRS):
+        raise ValueError(
+            f"logging.run_dir ({run_dir}) must be an absolute path on storage shared by all "
+            f"{cfg.placement.nnodes} nodes (placement.nnodes > 1), not relative or under {', '.join(NODE_LOCAL_DIRS)}"
+        )
+    if cfg.transport.bind_host in LOOPBACK_HOSTS:
+        raise ValueError(
+            f"transport.bind_host ({cfg.transport.bind_host}) must be an interface other nodes reach (e.g. 0.0.0.0 "
+            "or this node's address) when placement.nnodes > 1"
+        )
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -41,6 +41,33 @@ def dist_backend(device: Device, requested: str = "auto") -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+def learner_backend(device: Device) -> str:
+    """The learners' default process group: gloo on CPU; on CUDA NCCL for CUDA tensors and gloo for CPU
+    ones (CPU offload, DCP metadata, barriers), one group that serves both."""
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
+NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def assigned_gpu_ids() -> list[int] | None:
+    """The GPUs Ray gave this actor, as indices into the devices this process sees, when Ray was told
+    not to set CUDA_VISIBLE_DEVICES (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``: every actor sees
+    every GPU of its node, which NVSwitch/NVLink peer access needs). None when Ray sets the variable: then
+    the actor's GPUs are simply 0..n-1. Called inside an actor (or a process that never used Ray)."""
+    if not os.environ.get(NOSET_CUDA_ENV):
+        return None
+    import ray
+
+    return sorted(int(i) for i in ray.get_gpu_ids())
+
+
+def local_gpu_index() -> int:
+    """The CUDA device this learner rank trains on."""
+    ids = assigned_gpu_ids()
+    return ids[0] if ids else 0
+
+
 def engine_dtype(device: Device, requested: str = "auto") -> str:
     """Engine weight dtype. fp32 on CPU: the learner trains fp32 and behaviour logprobs then match it
     closely; bf16 on CUDA (the usual serving dtype)."""

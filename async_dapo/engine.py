@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from async_dapo.config import EngineConfig
-from async_dapo.device import activate_sglang_env, engine_dtype, resolve_device
+from async_dapo.device import activate_sglang_env, assigned_gpu_ids, engine_dtype, resolve_device
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ def engine_kwargs(ec: EngineConfig, model_path: str | Path, trust_remote_code: b
         "disable_cuda_graph": (device == "cpu") if ec.disable_cuda_graph is None else ec.disable_cuda_graph,
         "sleep_on_idle": (device == "cpu") if ec.sleep_on_idle is None else ec.sleep_on_idle,
     }
+    if device == "cuda" and (gpus := assigned_gpu_ids()):  # Ray left CUDA_VISIBLE_DEVICES alone (NVSwitch)
+        kw["base_gpu_id"] = gpus[0]
     if ec.attention_backend is not None or device == "cpu":
         kw["attention_backend"] = ec.attention_backend or "torch_native"
     for name in ("max_total_tokens", "context_length", "max_running_requests"):

@@ -13,20 +13,25 @@ needed to agree on the split or the global token counts):
             clip grad norm; skip the update if it is not finite; AdamW; LR schedule
     version += 1
 
-Weight push: all ranks gather the full parameters bucket by bucket (FSDP all-gather); rank 0 hands each
-bucket to a sender thread that broadcasts it over the dedicated weight-update group while the engines load
-it, and returns at once. The gathered tensors are explicit copies, so the next optimizer step cannot change
-what is being sent. A bounded hand-off (2 buckets) bounds the extra memory; the next push first waits for
-the previous one; when the engines report the new weights loaded, the sender tells the replay queue the
-new version.
+Start-up: every rank builds the model on the meta device, shards it, and reads only its own rows of each
+parameter from the safetensors files (``load_local_shards``): peak memory per rank is about model / world
+plus one tensor, never the whole model.
+
+Weight push (``push_weights``, every rank): each rank copies its own shards, cast to the engine dtype,
+into a snapshot (the only part the training loop waits for), and a background thread gathers the snapshot
+bucket by bucket over a process group of its own (its own communicator; on CUDA its own stream), so the
+next training step runs while the push is under way. Rank 0 broadcasts each gathered bucket to the
+engines over the weight-update group, with at most two buckets in flight (one broadcasting, one
+gathered). When the engines report the new weights loaded, rank 0's thread tells the replay queue the
+new version. The snapshot is a copy, so the next optimizer step cannot change what is being sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
-import queue as queue_mod
 import random
 import threading
 import time
@@ -38,9 +43,10 @@ import torch.distributed as dist
 
 from async_dapo.batching import MicroBatch, PlannedMiniBatch, plan_step
 from async_dapo.config import Config
-from async_dapo.device import dist_backend, engine_dtype, pin_threads, resolve_device, seed_everything
-from async_dapo.loss import entropy_and_token_prob, importance_weights, policy_loss
-from async_dapo.weight_sync import broadcast_bucket, close_update_group, open_update_group, plan_buckets
+from async_dapo.device import dist_backend, engine_dtype, learner_backend, local_gpu_index, pin_threads, seed_everything
+from async_dapo.loss import entropy_and_token_prob, importance_weights, policy_loss, token_logprobs
+from async_dapo.shards import load_local_shards, materialize, params_on_meta, snapshot, unpad
+from async_dapo.weight_sync import Bucket, close_update_group, flatten, open_update_group, plan_buckets
 
 WEIGHT_GROUP = "async_dapo_weights"  # + a generation suffix: the group is rebuilt when an engine is replaced
 # Wrappers that FSDP2 / activation checkpointing / torch.compile may insert into parameter names.
@@ -60,34 +66,61 @@ def learner_device(cfg: Config) -> str:
     return "cuda" if cfg.placement.learner_gpus > 0 else "cpu"
 
 
+def warmup_factor(steps_done: int, warmup_steps: int) -> float:
+    """LR multiplier for the training step after ``steps_done`` steps: linear from 0 over ``warmup_steps``
+    training steps (verl's unit and schedule: the first step runs at 0), then 1."""
+    return min(1.0, steps_done / warmup_steps) if warmup_steps else 1.0
+
+
+def pad_counts(plan: list[PlannedMiniBatch]) -> dict[str, float]:
+    """Padding positions and all positions of this rank's micro-batches in one pass over the plan (a
+    stand-in micro-batch that only keeps collectives in step counts as padding)."""
+    pad = slots = 0
+    for p in plan:
+        for mb in p.micro_batches:
+            n = mb.attention_mask.numel()
+            slots += n
+            pad += n if mb.is_padding else n - int(mb.attention_mask.sum())
+    return {"pad_tokens": float(pad), "slot_tokens": float(slots)}
+
+
 class LearnerWorker:
-    """One FSDP2 rank (wrapped by :func:`learner_actor_class` for Ray)."""
+    """One FSDP2 rank (wrapped by :func:`learner_actor_class` for Ray; drivable without Ray, as
+    tools/gpu_smoke.py does)."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         pin_threads(1)
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.device = learner_device(cfg)
         if self.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) if torch.cuda.device_count() > 1 else 0)
+            torch.cuda.set_device(local_gpu_index())
+        timeout = datetime.timedelta(seconds=cfg.learner.collective_timeout_s)
         # The timeout bounds every collective: a rank whose peer died raises instead of waiting forever.
-        dist.init_process_group(dist_backend(self.device), init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=cfg.learner.collective_timeout_s))
+        # On CUDA the default group is cpu:gloo,cuda:nccl, so CPU tensors (offload, DCP metadata) work too.
+        dist.init_process_group(learner_backend(self.device), init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world_size, timeout=timeout)
+        # Created in the same order on every rank. Barriers go through gloo (monitored: a missing rank is
+        # named, no NCCL barrier holds a rank); the push gathers over a group of its own so that they can
+        # run beside the training step's collectives.
+        self._gloo = dist.new_group(backend="gloo", timeout=timeout)
+        self._gather_pg = dist.new_group(backend=learner_backend(self.device), timeout=timeout)
         # Same seed on every rank: the model init and any dropout must agree across FSDP shards.
         seed_everything(cfg.logging.seed)
         self.model = self._build_model()
         lc = cfg.learner
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=lc.betas,
                                            weight_decay=lc.weight_decay)
-        warm = lc.warmup_steps
+        # Stepped once per training step (not per mini-batch update): warm-up counts training steps.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+            self.optimizer, lambda s: warmup_factor(s, lc.warmup_steps))
         self.version = 0
         self.skipped_updates = 0
         self.pad_id = self.model.config.pad_token_id or 0
         self._weight_pg = None
         self._weight_group_name = WEIGHT_GROUP
-        # The push in flight (rank 0): its sender thread and the result dict only that thread writes.
+        self._push_dtype: torch.dtype | None = None  # the engines' weight dtype, told by open_weight_group
+        self._push_stream = torch.cuda.Stream() if self.device == "cuda" else None
+        # The push in flight (every rank): its thread and the result dict only that thread writes.
         self._push_thread: threading.Thread | None = None
         self._push_state: dict[str, Any] = {}
         self._push_result: dict[str, Any] = {}  # the last finished push
@@ -95,14 +128,15 @@ class LearnerWorker:
     def _build_model(self):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        lc = self.cfg.learner
-        model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, torch_dtype=torch.float32,
-                                                     trust_remote_code=self.cfg.model.trust_remote_code)
+        lc, mc = self.cfg.learner, self.cfg.model
+        config = AutoConfig.from_pretrained(mc.path, trust_remote_code=mc.trust_remote_code)
+        with params_on_meta():  # no rank ever holds the whole model (see shards.load_local_shards)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     trust_remote_code=mc.trust_remote_code)
         if lc.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.to(self.device)
         mesh = init_device_mesh(self.device, (self.world,))
         kwargs: dict[str, Any] = {"mesh": mesh}
         if lc.param_dtype == "bfloat16":  # fp32 master weights, bf16 compute: pure bf16 loses small updates
@@ -112,6 +146,9 @@ class LearnerWorker:
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
+        materialize(model, "cpu" if lc.cpu_offload else self.device)
+        named = [(sglang_name(n), p) for n, p in model.named_parameters()]
+        load_local_shards(named, Path(mc.path), self.world, self.rank)
         return model
 
     def ready(self) -> int:
@@ -123,13 +160,16 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ forward
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-        # Behaviour logprobs are log_softmax(logits / T) (SGLang's default): scale the same way.
-        return out.logits[:, :-1].float() / self.cfg.rollout.temperature
+        # The model's own dtype, unscaled: token_logprobs upcasts and divides by T chunk by chunk, so no
+        # full-vocabulary fp32 copy of a micro-batch's logits is ever made. logits_to_keep: the last
+        # position has no target, and slicing it off afterwards would cost a full-size zero gradient.
+        keep = torch.arange(mb.input_ids.shape[1] - 1, device=mb.input_ids.device)
+        return self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=keep).logits
 
-    @staticmethod
-    def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    def _token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Behaviour logprobs are log_softmax(logits / T) (SGLang's default): the same quantity.
+        return token_logprobs(logits, targets, temperature=self.cfg.rollout.temperature,
+                              chunk_tokens=self.cfg.learner.logprob_chunk_tokens)
 
     @torch.no_grad()
     def _proximal(self, plan: list[PlannedMiniBatch]) -> list[list[torch.Tensor | None]]:
@@ -173,7 +213,8 @@ class LearnerWorker:
         if n == 0:
             return
         mask = mb.loss_mask
-        ent, prob = entropy_and_token_prob(logits, mb.targets, mask)
+        ent, prob = entropy_and_token_prob(logits, mb.targets, mask, temperature=self.cfg.rollout.temperature,
+                                           chunk_size=self.cfg.learner.logprob_chunk_tokens)
         add = {"tokens": n, "loss": loss.item(), "entropy": ent.sum().item(), "token_prob": prob.sum().item(),
                "pg_clipfrac_upper": m["pg_clipfrac_upper"].item() * n,
                "pg_clipfrac_lower": m["pg_clipfrac_lower"].item() * n, "ppo_kl": m["ppo_kl"].item() * n}
@@ -199,8 +240,9 @@ class LearnerWorker:
         self.model.train()
         plan = self._plan(groups)
         prox = self._proximal(plan) if self.cfg.algorithm.correction.mode != "naive" else None
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = pad_counts(plan)
         norms = []
+        lr = self.scheduler.get_last_lr()[0]  # this step's (the schedule moves once per training step)
         for _ in range(lc.epochs):
             for j, p in enumerate(plan):
                 self.optimizer.zero_grad(set_to_none=True)
@@ -213,16 +255,16 @@ class LearnerWorker:
                 else:  # a poisoned batch must not poison the weights
                     self.skipped_updates += 1
                     self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
+        self.scheduler.step()
         self.version += 1
         out = self._reduce(sums)
         out.update(grad_norm=max(norms), skipped_updates=float(self.skipped_updates), version=float(self.version),
-                   lr=self.scheduler.get_last_lr()[0], train_s=time.perf_counter() - t0)
+                   lr=lr, train_s=time.perf_counter() - t0)
         return out
 
     def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
         keys = ["tokens", "loss", "entropy", "token_prob", "pg_clipfrac_upper", "pg_clipfrac_lower", "ppo_kl",
-                "rollout_logprob_abs_diff", "is_weight"]
+                "rollout_logprob_abs_diff", "is_weight", "pad_tokens", "slot_tokens"]
         vec = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
         top = torch.tensor([sums.get("is_weight_max", 0.0)], dtype=torch.float64)
         if self.device == "cuda":
@@ -231,8 +273,9 @@ class LearnerWorker:
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         total = dict(zip(keys, vec.tolist()))
         tokens = max(total.pop("tokens"), 1.0)
+        pad, slots = total.pop("pad_tokens"), total.pop("slot_tokens")
         out = {k: v / tokens for k, v in total.items() if k != "loss"}
-        out.update(loss=total["loss"], train_tokens=tokens, is_weight_max=top.item())
+        out.update(loss=total["loss"], train_tokens=tokens, is_weight_max=top.item(), pad_ratio=pad / max(slots, 1.0))
         return out
 
     def gradients(self, groups) -> dict[str, torch.Tensor]:
@@ -248,20 +291,24 @@ class LearnerWorker:
         return grads
 
     # ------------------------------------------------------------------ weight push
-    def open_weight_group(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
-        """Rank 0 only: become rank 0 of the weight-update group ``group_name`` (engines join concurrently).
-        An earlier group is destroyed first, which also fails any engine still waiting on it."""
+    def open_weight_group(self, master_addr: str, master_port: int, world_size: int, group_name: str,
+                          dtype: str | None = None) -> None:
+        """Rank 0 only: become rank 0 of the weight-update group ``group_name`` (engines join concurrently)
+        and send the engines' weight ``dtype`` (each engine resolves it where it runs and placement passes
+        it on; None = rollout.engine.dtype as this rank's device would resolve it, for direct drivers and
+        tests). An earlier group is destroyed first, which also fails any engine still waiting on it."""
         ws = self.cfg.weight_sync
         self.close_weight_group()
         self._weight_pg = open_update_group(master_addr, master_port, world_size, group_name,
                                             dist_backend(self.device, ws.backend), ws.timeout_s)
         self._weight_group_name = group_name
+        self._push_dtype = getattr(torch, dtype) if dtype else None
 
     def close_weight_group(self) -> None:
         """Abandon the current weight-update group (an engine of it died): join the sender, whatever its
-        outcome (its broadcasts are bounded by the group's timeout), then destroy the group — never under
-        a sender that is still using it."""
-        if self._join_sender(self.cfg.weight_sync.timeout_s + 30) is not None:
+        outcome (its collectives are bounded by their groups' timeouts), then destroy the group — never
+        under a sender that is still using it."""
+        if self._join_sender(self._push_bound_s()) is not None:
             raise RuntimeError(f"weight push of version {self._push_state['version']}: sender still busy; "
                                "cannot rebuild the weight group")
         if self._weight_pg is not None:
@@ -271,73 +318,110 @@ class LearnerWorker:
                 pass
             self._weight_pg = None
 
-    def _push_plan(self):
-        dtype = getattr(torch, engine_dtype(resolve_device(self.cfg.rollout.engine.device),
-                                            self.cfg.rollout.engine.dtype))
-        params = [(n, p) for n, p in self.model.named_parameters()]
-        meta = [(sglang_name(n), dtype, tuple(p.shape)) for n, p in params]
-        buckets = plan_buckets(meta, self.cfg.weight_sync.bucket_mb << 20)
-        by_name = {sglang_name(n): p for n, p in params}
-        return dtype, buckets, by_name
+    def _push_bound_s(self) -> float:
+        # The sender's waits: its gathers (collective_timeout_s each, but they fail together), the
+        # broadcasts and the engines' answer (weight_sync.timeout_s each).
+        return 2 * self.cfg.weight_sync.timeout_s
+
+    def _push_plan(self) -> tuple[list[Bucket], dict[str, torch.Tensor]]:
+        """The buckets (engine names, dtype, full shapes) and each parameter by engine name."""
+        dtype = self._push_dtype or getattr(torch, engine_dtype(self.device, self.cfg.rollout.engine.dtype))
+        by_name = {sglang_name(n): p for n, p in self.model.named_parameters()}
+        meta = [(n, dtype, tuple(p.shape)) for n, p in by_name.items()]
+        return plan_buckets(meta, self.cfg.weight_sync.bucket_mb << 20), by_name
 
     def push_weights(self, engines: list, replay, version: int | None = None) -> dict[str, float]:
-        """Stream the current weights to ``engines``; every rank must call it (the gather is collective).
-        Rank 0 returns once every bucket is handed to the sender thread, not when engines finished."""
+        """Stream the current weights to ``engines``; every rank must call it. Returns once this rank's
+        shards are copied (the snapshot); gathering and sending run in the background (see the module
+        docstring). With no engines and no replay (tools/gpu_smoke.py) Ray is never touched."""
         version = self.version if version is None else version
         t0 = time.perf_counter()
-        stall = 0.0
-        if self.rank == 0:  # never overlap two pushes; never raise before the collective gather below
-            stall = time.perf_counter()
-            if (busy := self._join_sender(2 * self.cfg.weight_sync.timeout_s)) is not None:
-                raise RuntimeError(busy)  # only after the sender's own bounds failed: the group is unusable
-            stall = time.perf_counter() - stall
-        dtype, buckets, by_name = self._push_plan()
-        handoff: queue_mod.Queue | None = None
-        if self.rank == 0:
-            refs = [e.update_weights.remote(buckets, self._weight_group_name, version) for e in engines]
-            handoff = queue_mod.Queue(maxsize=2)
-            self._push_state = {"version": version}
-            self._push_thread = threading.Thread(target=self._send, daemon=True,
-                                                 args=(handoff, refs, replay, version, self._push_state))
-            self._push_thread.start()
-        for b in buckets:
-            # Collective gather. copy=True: with one rank (or when the dtype already matches) full_tensor()
-            # and .to() return the live parameter, which the next optimizer step would change mid-send.
-            tensors = [by_name[n].full_tensor().detach().to(dtype, copy=True) for n in b.names]
-            if handoff is not None:
-                self._hand_over(handoff, tensors)
-        if handoff is not None:
-            self._hand_over(handoff, None)
+        if (busy := self._join_sender(self._push_bound_s())) is not None:  # never overlap two pushes
+            raise RuntimeError(busy)  # only after the sender's own bounds failed: the groups are unusable
+        # A failed previous push is not raised here: wait_push reports it (rank 0; another rank's gather
+        # fails with rank 0's, the collective being shared), and the orchestrator has already decided to
+        # push again (an engine replacement pushes after rebuilding the group the failure came from).
+        stall = time.perf_counter() - t0
+        buckets, by_name = self._push_plan()
+        shards = self._snapshot(buckets, by_name)
+        ready = None
+        if self._push_stream is not None:  # the snapshot was written on the default stream
+            ready = torch.cuda.Event()
+            ready.record()
+        if self.rank != 0:  # only rank 0 talks to the engines and the queue
+            engines, replay = [], None
+        refs = [e.update_weights.remote(buckets, self._weight_group_name, version) for e in engines]
+        self._push_state = {"version": version}
+        self._push_thread = threading.Thread(target=self._send, daemon=True,
+                                             args=(buckets, shards, ready, refs, replay, version, self._push_state))
+        self._push_thread.start()
         return {"push_stall_s": stall, "push_blocking_s": time.perf_counter() - t0,
-                "push_bytes": float(sum(b.nbytes for b in buckets))}
+                "push_bytes": float(sum(b.nbytes for b in buckets)), "push_buckets": float(len(buckets))}
 
-    def _hand_over(self, handoff: queue_mod.Queue, item) -> None:
-        """Give one bucket to the sender thread. If the sender has died, drop the bucket instead of
-        blocking: rank 0 keeps gathering so that the other ranks are not left waiting in the collective,
-        and the error is raised by the next wait_push (the sender recorded it)."""
-        while self._push_thread is not None and self._push_thread.is_alive():
-            try:
-                handoff.put(item, timeout=1.0)
-                return
-            except queue_mod.Full:
+    def _snapshot(self, buckets: list[Bucket], by_name: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's rows of every parameter, cast to the bucket's (engine) dtype before any gather: the
+        gather then moves half the bytes of fp32 master weights, and the optimizer may move on."""
+        shards = {}
+        for b in buckets:
+            for name in b.names:
+                p = by_name[name]
+                local = p.to_local() if hasattr(p, "to_local") else p
+                shards[name] = snapshot(local, p.shape[0], self.world, getattr(torch, b.dtypes[0]))
+        return shards
+
+    def _send(self, buckets: list[Bucket], shards: dict[str, torch.Tensor], ready, refs: list, replay,
+              version: int, state: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            stream = self._push_stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if ready is not None:
+                    stream.wait_event(ready)
+                sent = self._gather_and_broadcast(buckets, shards)
+                if stream is not None:
+                    stream.synchronize()  # this thread only: the training stream never waits for it
+            engine_s = self._engines_loaded(refs, replay, version)
+            state.update(push_s=time.perf_counter() - t0, bytes=sent, engine_s=engine_s, error="")
+        except Exception as exc:  # surfaced by wait_push / the next push: a failed push fails the run loudly
+            state.update(error=repr(exc))
+
+    def _gather_and_broadcast(self, buckets: list[Bucket], shards: dict[str, torch.Tensor]) -> int:
+        """Gather each bucket's shards (one all_gather per bucket over the push's own group); rank 0
+        broadcasts it to the engines asynchronously, waiting for the previous bucket's broadcast first:
+        at most two buckets in flight. Returns the bytes broadcast."""
+        sent, pending = 0, None
+        for b in buckets:
+            tensors = self._gather_bucket([shards[n] for n in b.names], b.shapes)
+            if self.rank != 0 or self._weight_pg is None:
                 continue
+            flat = flatten(tensors).to(self.device)
+            if pending is not None:
+                pending[0].wait()
+            pending = (dist.broadcast(flat, src=0, group=self._weight_pg, async_op=True), flat)
+            sent += flat.numel()
+        if pending is not None:
+            pending[0].wait()
+        return sent
 
-    def _send(self, handoff: queue_mod.Queue, refs: list, replay, version: int, state: dict[str, Any]) -> None:
+    def _gather_bucket(self, parts: list[torch.Tensor], shapes) -> list[torch.Tensor]:
+        if self.world == 1:
+            return [p[: s[0]] for p, s in zip(parts, shapes)]
+        local = torch.cat([p.reshape(-1) for p in parts])
+        gathered = local.new_empty(self.world * local.numel())  # rank after rank
+        dist.all_gather_into_tensor(gathered, local, group=self._gather_pg)
+        return unpad(gathered.view(self.world, -1), self.world, [tuple(s) for s in shapes])
+
+    def _engines_loaded(self, refs: list, replay, version: int) -> float:
+        """Rank 0: wait until the engines report the new weights loaded, then tell the replay queue."""
+        if not refs and replay is None:
+            return 0.0
         import ray
 
-        t0 = time.perf_counter()
-        sent = 0
         timeout = self.cfg.weight_sync.timeout_s
-        try:
-            while (tensors := handoff.get(timeout=timeout)) is not None:
-                sent += broadcast_bucket(self._weight_pg, tensors)  # bounded by the group's timeout
-            engine_s = ray.get(refs, timeout=timeout)
-            if replay is not None:
-                ray.get(replay.set_version.remote(version), timeout=timeout)  # the engines run `version` now
-            state.update(push_s=time.perf_counter() - t0, bytes=sent,
-                         engine_s=max(engine_s) if engine_s else 0.0, error="")
-        except Exception as exc:  # surfaced by wait_push: a failed push must fail the run loudly
-            state.update(error=repr(exc))
+        engine_s = ray.get(refs, timeout=timeout) if refs else []
+        if replay is not None:
+            ray.get(replay.set_version.remote(version), timeout=timeout)  # the engines run `version` now
+        return max(engine_s) if engine_s else 0.0
 
     def _join_sender(self, timeout_s: float) -> str | None:
         """Join the push in flight (if any) and record its result; returns a message if it is still busy."""
@@ -354,12 +438,16 @@ class LearnerWorker:
         own waits are bounded by it); returns the seconds waited. Raises if that push failed or is still
         running."""
         t0 = time.perf_counter()
-        if (busy := self._join_sender(2 * self.cfg.weight_sync.timeout_s)) is not None:
+        if (busy := self._join_sender(self._push_bound_s())) is not None:
             raise TimeoutError(busy)
+        self._raise_if_failed()
+        return time.perf_counter() - t0
+
+    def _raise_if_failed(self) -> None:
         if error := self._push_result.get("error"):
             self._push_result.update(error="", failed=error)  # reported once; a retried push starts clean
-            raise RuntimeError(f"weight push of version {self._push_result['version']} failed: {error}")
-        return time.perf_counter() - t0
+            raise RuntimeError(f"weight push of version {self._push_result['version']} failed on rank "
+                               f"{self.rank}: {error}")
 
     def last_push(self) -> dict[str, Any]:
         return dict(self._push_result)
@@ -376,7 +464,7 @@ class LearnerWorker:
                  "skipped_updates": self.skipped_updates, "torch_rng": torch.get_rng_state(),
                  "python_rng": random.getstate()}
         torch.save(extra, Path(path) / f"extra_rank{self.rank}.pt")
-        dist.barrier()
+        self._barrier(f"checkpoint {path}")
 
     def load_checkpoint(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
@@ -398,19 +486,26 @@ class LearnerWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        mc = self.cfg.model
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            config = AutoConfig.from_pretrained(self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code)
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-            model.load_state_dict({sglang_name(k): v for k, v in full.items()})
-            model.save_pretrained(path, safe_serialization=True)
-            AutoTokenizer.from_pretrained(self.cfg.model.path, trust_remote_code=self.cfg.model.trust_remote_code
-                                          ).save_pretrained(path)
-        dist.barrier()
+        if self.rank == 0:  # the model object only carries config and tie rules: its parameters stay on meta
+            with params_on_meta():
+                model = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(mc.path, trust_remote_code=mc.trust_remote_code), dtype=torch.float32)
+            model.save_pretrained(path, state_dict={sglang_name(k): v for k, v in full.items()},
+                                  safe_serialization=True)
+            AutoTokenizer.from_pretrained(mc.path, trust_remote_code=mc.trust_remote_code).save_pretrained(path)
+        self._barrier(f"export to {path}")
+
+    def _barrier(self, what: str) -> None:
+        """All ranks meet over gloo, bounded by learner.collective_timeout_s; a rank that does not come is
+        named in the error (no NCCL barrier ever holds a rank)."""
+        dist.monitored_barrier(group=self._gloo, timeout=datetime.timedelta(
+            seconds=self.cfg.learner.collective_timeout_s))
 
     def shutdown(self) -> None:
         if self._push_thread is not None:
-            self._push_thread.join(timeout=60)
+            self._push_thread.join(timeout=self._push_bound_s())
         dist.destroy_process_group()
 
 

@@ -16,10 +16,11 @@ learner multiplies each call's loss by the world size to keep that sum.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "AGG_MODES",
@@ -31,6 +32,7 @@ __all__ = [
     "keep_group",
     "masked_mean",
     "policy_loss",
+    "token_logprobs",
 ]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -322,41 +324,156 @@ def importance_weights(
     return torch.where(keep, weights, torch.zeros_like(weights))
 
 
+# --------------------------------------------------------------------------- log-probs
+
+
+def _check_logits(logits: Tensor, targets_name: str, targets: Tensor) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
+    if targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"{targets_name} has shape {tuple(targets.shape)}, expected {tuple(logits.shape[:2])}"
+        )
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"{targets_name} must hold integer token ids, got {targets.dtype}")
+
+
+def _check_chunk_and_temperature(chunk_name: str, chunk: int, temperature: float) -> None:
+    if chunk <= 0:
+        raise ValueError(f"{chunk_name} must be > 0, got {chunk}")
+    if not temperature > 0:  # also refuses NaN
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _token_chunks(logits: Tensor, chunk: int) -> Iterator[tuple[int, int, Tensor]]:
+    """Yield (start, stop, rows): the ``[stop - start, V]`` logits of flattened token positions
+    start..stop. A view when ``logits`` flattens without a copy; otherwise (the learner's
+    ``out.logits[:, :-1]``) a copy of only those rows, since flattening the whole view would
+    copy all of it.
+    """
+    batch, seq, vocab = logits.shape
+    n = batch * seq
+    try:
+        flat = logits.view(n, vocab)
+    except RuntimeError:
+        flat = None
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        if flat is not None:
+            yield start, stop, flat[start:stop]
+            continue
+        pieces = [
+            logits[b, max(start - b * seq, 0) : stop - b * seq]
+            for b in range(start // seq, (stop - 1) // seq + 1)
+        ]
+        yield start, stop, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _scaled(rows: Tensor, temperature: float) -> Tensor:
+    """fp32 logits / T. At T == 1 an fp32 input is returned as is (no chunk-sized copy)."""
+    rows = rows.float()
+    return rows if temperature == 1.0 else rows / temperature
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Chunked log_softmax(logits / T)[target]; see ``token_logprobs``."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int) -> Tensor:
+        flat_targets = targets.reshape(-1)
+        logsumexp = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
+        logprobs = torch.empty_like(logsumexp)
+        for start, stop, rows in _token_chunks(logits, chunk):
+            scaled = _scaled(rows, temperature)
+            # (z_y - max) - log sum exp(z - max): log_softmax's own order of operations, so the
+            # result matches it to rounding rather than to rounding of |logsumexp|.
+            top = scaled.amax(dim=-1, keepdim=True)
+            log_sum = (scaled - top).exp_().sum(dim=-1).log_()
+            target = scaled.gather(-1, flat_targets[start:stop, None])
+            logprobs[start:stop] = (target - top).squeeze(-1) - log_sum
+            logsumexp[start:stop] = top.squeeze(-1) + log_sum
+        # Saving the input logits keeps a reference, not a copy; the fp32 softmax is recomputed.
+        ctx.save_for_backward(logits, flat_targets, logsumexp)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logprobs.view(targets.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, None, None, None]:
+        logits, flat_targets, logsumexp = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        temperature = ctx.temperature
+        # d/dz of (z_y / T - logsumexp(z / T)) = (onehot(y) - softmax(z / T)) / T.
+        scale = grad_out.reshape(-1).float() / temperature
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat_grad = grad.view(-1, logits.shape[-1])
+        for start, stop, rows in _token_chunks(logits, ctx.chunk):
+            g = scale[start:stop, None]
+            chunk_grad = (_scaled(rows, temperature) - logsumexp[start:stop, None]).exp_()
+            chunk_grad.mul_(-g).scatter_add_(-1, flat_targets[start:stop, None], g)
+            flat_grad[start:stop] = chunk_grad
+        return grad, None, None, None
+
+
+def token_logprobs(
+    logits: Tensor, targets: Tensor, *, temperature: float = 1.0, chunk_tokens: int = 1024
+) -> Tensor:
+    """Log-probability of each target token, float32 ``[B, T]``, differentiable w.r.t. logits.
+
+    Equals ``torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None])
+    .squeeze(-1)``: exactly the log-prob the behaviour policy reports (SGLang samples from and
+    reports ``log_softmax(logits / T)``), so pass the RAW logits ``[B, T, V]`` (any float
+    dtype, views such as ``out.logits[:, :-1]`` welcome) and the sampling ``temperature``.
+
+    Memory contract: ``chunk_tokens`` flattened token positions are upcast to float32 at a
+    time. Forward keeps only the logits (a reference, not a copy) and a float32 logsumexp per
+    token; backward recomputes the softmax chunk by chunk and writes one gradient of the
+    logits' dtype and shape. Beyond the logits and that gradient, peak extra memory is
+    O(chunk_tokens x V) float32: never a full-vocabulary float32 ``[B * T, V]`` (~20 GB for
+    32k tokens at V = 152k). Target ids are not range-checked (that would sync the device).
+    """
+    _check_logits(logits, "targets", targets)
+    _check_chunk_and_temperature("chunk_tokens", chunk_tokens, temperature)
+    return _TokenLogprobs.apply(logits, targets.long(), float(temperature), int(chunk_tokens))
+
+
 # --------------------------------------------------------------------------- monitoring
 
 
 @torch.no_grad()
 def entropy_and_token_prob(
-    logits: Tensor, target_ids: Tensor, mask: Tensor | None = None, *, chunk_size: int = 256
+    logits: Tensor,
+    target_ids: Tensor,
+    mask: Tensor | None = None,
+    *,
+    chunk_size: int = 256,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token entropy of softmax(logits) and probability of the target token, ``[B, T]``.
+    """Per-token entropy of softmax(logits / temperature) and probability of the target token,
+    ``[B, T]``.
 
     For monitoring (DAPO watches entropy and mean token probability); detached. Works on
     ``chunk_size`` token positions at a time in float32, so a 150k vocabulary never
-    materialises a full ``[B, T, V]`` float32 softmax. Masked-out positions are 0; reduce
-    with ``masked_mean``.
+    materialises a full ``[B, T, V]`` float32 softmax; pass the raw logits (any float dtype,
+    views such as ``out.logits[:, :-1]`` are not copied whole) and the sampling temperature.
+    Masked-out positions are 0; reduce with ``masked_mean``.
     """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
-    if target_ids.shape != logits.shape[:2]:
-        raise ValueError(
-            f"target_ids has shape {tuple(target_ids.shape)}, expected {tuple(logits.shape[:2])}"
-        )
+    _check_logits(logits, "target_ids", target_ids)
     _check_same_shape("target_ids", target_ids, mask=mask)
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    _check_chunk_and_temperature("chunk_size", chunk_size, temperature)
 
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_targets = target_ids.reshape(-1)
+    flat_targets = target_ids.reshape(-1).long()
     entropy = torch.empty(flat_targets.shape, dtype=torch.float32, device=logits.device)
     token_prob = torch.empty_like(entropy)
-    for start in range(0, flat_targets.numel(), chunk_size):
-        rows = slice(start, start + chunk_size)
-        log_p = torch.log_softmax(flat_logits[rows].float(), dim=-1)
+    for start, stop, rows in _token_chunks(logits, chunk_size):
+        log_p = torch.log_softmax(_scaled(rows, temperature), dim=-1)
         # xlogy-style: p * log p is 0 where p underflows to 0 (log p = -inf would give NaN).
         p_log_p = torch.where(log_p.isfinite(), log_p.exp() * log_p, torch.zeros_like(log_p))
-        entropy[rows] = -p_log_p.sum(dim=-1)
-        token_prob[rows] = log_p.gather(-1, flat_targets[rows, None]).squeeze(-1).exp()
+        entropy[start:stop] = -p_log_p.sum(dim=-1)
+        token_prob[start:stop] = log_p.gather(-1, flat_targets[start:stop, None]).squeeze(-1).exp()
 
     entropy, token_prob = entropy.view(target_ids.shape), token_prob.view(target_ids.shape)
     if mask is not None:

@@ -24,6 +24,7 @@ _LEARNER_TAGS = {
     "ppo_kl": "actor/ppo_kl", "grad_norm": "actor/grad_norm", "is_weight": "actor/is_weight_mean",
     "is_weight_max": "actor/is_weight_max", "rollout_logprob_abs_diff": "actor/rollout_logprob_abs_diff",
     "loss": "actor/pg_loss", "lr": "actor/lr", "skipped_updates": "actor/skipped_updates",
+    "pad_ratio": "perf/pad_ratio",
 }
 # replay-queue key -> tag
 _QUEUE_TAGS = {

@@ -202,7 +202,7 @@ class Run:
 
     def train(self, batch: list) -> dict[str, float]:
         with self.clock.phase("training"):
-            stats = self.placed.on_learners("train_step", batch)[0]
+            stats = self.placed.on_learners("train_step", self.placed.put(batch))[0]
         self.version = int(stats["version"])
         self._write_prompts(batch)
         return stats

@@ -75,6 +75,13 @@ class Placed:
             log.warning("%s failed:\n%s", what, exc)
             raise RunFailed(f"{what} failed: {cause_of(exc)}") from None
 
+    def put(self, value):
+        """``value`` in Ray's object store, once: passed to every learner rank as this reference, it is
+        serialized once and each node fetches it once, instead of one pickled copy per rank."""
+        import ray
+
+        return ray.put(value)
+
     def on_learners(self, method: str, *args) -> list:
         refs = [getattr(r, method).remote(*args) for r in self.learners]
         return wait_all(refs, [f"learner rank {r}" for r in range(len(refs))], what=method,
@@ -181,7 +188,9 @@ def weight_group_name(generation: int) -> str:
 def place(cfg: Config, initial_version: int = 0) -> Placed:
     """Create and wire every actor of a run; returns when all are ready (or raises naming what is not,
     after placement.start_timeout_s)."""
+    import ray
     from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     p = cfg.placement
     n_eng, n_lrn = p.num_engines, p.learner_ranks
@@ -190,7 +199,11 @@ def place(cfg: Config, initial_version: int = 0) -> Placed:
     pg = placement_group(bundles, strategy="PACK")
     placed = Placed(cfg, pg, None)
     placed.get(pg.ready(), f"placement group {bundles}", p.start_timeout_s)
-    placed.replay = replay_actor_class(cfg).remote(cfg, initial_version)
+    check_nodes(cfg, pg)
+    # On the driver's node, explicitly: it binds transport.bind_host there, and the driver talks to it
+    # every step (a CPU-only head node is the usual place for both).
+    placed.replay = replay_actor_class(cfg, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)).remote(cfg, initial_version)
     placed.engines = [rollout_actor_class(cfg, **placed.bundle(i)).remote(cfg, i, initial_version)
                       for i in range(n_eng)]
     host, port = _endpoint(cfg, pg, n_eng)
@@ -203,14 +216,30 @@ def place(cfg: Config, initial_version: int = 0) -> Placed:
     return placed
 
 
+def check_nodes(cfg: Config, pg) -> None:
+    """RunFailed, in one line, when the placement spans more nodes than placement.nnodes says: the load-time
+    multi-node rules (shared run_dir, a reachable bind address) were checked for that number."""
+    from ray.util.placement_group import placement_group_table
+
+    nodes = {n for n in placement_group_table(pg).get("bundles_to_node_id", {}).values() if n}
+    if len(nodes) > cfg.placement.nnodes:
+        raise RunFailed(f"the placement spans {len(nodes)} nodes but placement.nnodes is {cfg.placement.nnodes}: "
+                        "set placement.nnodes (a multi-node run also needs an absolute logging.run_dir on shared "
+                        "storage and transport.bind_host set to this node's interface, e.g. 0.0.0.0)")
+
+
 def _join_weight_group(placed: Placed, host: str, port: int) -> None:
     cfg = placed.cfg
     tp = cfg.rollout.engine.tp_size
     world = 1 + tp * len(placed.engines)
     backend = dist_backend(learner_device(cfg), cfg.weight_sync.backend)
     name = weight_group_name(placed.group_generation)
+    dtypes = set(placed.get([e.weight_dtype.remote() for e in placed.engines], "engines' weight dtype"))
+    if len(dtypes) != 1:
+        raise RunFailed(f"engines hold their weights in different dtypes {sorted(dtypes)}: set rollout.engine.dtype")
     joins = [e.join_weight_group.remote(host, port, world, 1 + i * tp, name, backend)
              for i, e in enumerate(placed.engines)]
     timeout = cfg.weight_sync.timeout_s
-    placed.get(placed.learners[0].open_weight_group.remote(host, port, world, name), f"open {name}", timeout)
+    placed.get(placed.learners[0].open_weight_group.remote(host, port, world, name, dtypes.pop()), f"open {name}",
+               timeout)
     placed.get(joins, f"engines joining {name}", timeout)

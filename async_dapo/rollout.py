@@ -44,7 +44,7 @@ import numpy as np
 
 from async_dapo.config import Config
 from async_dapo.data import PromptRow, train_rows
-from async_dapo.device import pin_threads, resolve_device, seed_everything
+from async_dapo.device import engine_dtype, pin_threads, resolve_device, seed_everything
 from async_dapo.reward import load_score_fn, overlong_penalty
 from async_dapo.wire import Group, OversizedMessage, Sample
 
@@ -360,7 +360,8 @@ class _Session:
                     UpdateWeightsFromDistributedReqInput(
                         names=list(bucket.names), dtypes=list(bucket.dtypes),
                         shapes=[list(x) for x in bucket.shapes], group_name=group_name,
-                        weight_version=str(version), load_format="flattened_bucket", flush_cache=True),
+                        weight_version=str(version), load_format="flattened_bucket",
+                        flush_cache=bucket is buckets[-1]),  # once per update: the cache is stale only at the end
                     None,
                 )
                 if not ok:
@@ -457,6 +458,12 @@ class RolloutWorker:
             master_address=master_addr, master_port=master_port, rank_offset=rank_offset,
             world_size=world_size, group_name=group_name, backend=backend)), self.session.cfg.weight_sync.timeout_s)
 
+    def weight_dtype(self) -> str:
+        """The dtype this engine holds its weights in, resolved here (the driver may be a CPU-only head that
+        cannot tell what 'auto' means on this node); the learner casts the pushed weights to it."""
+        ec = self.session.cfg.rollout.engine
+        return engine_dtype(resolve_device(ec.device), ec.dtype)
+
     def update_weights(self, buckets: list, group_name: str, version: int, mode: str | None = None) -> float:
         """Receive one pushed version — ``buckets`` (weight_sync.Bucket) describe the flat broadcasts the
         learner sends meanwhile, in order — and run it. ``mode`` overrides rollout.update_mode. Returns
@@ -503,11 +510,10 @@ def rollout_actor_class(cfg: Config, **options):
     Ray actor options, e.g. a scheduling strategy)."""
     import ray
 
-    from async_dapo.device import sglang_process_env
-
     p = cfg.placement
-    env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           **sglang_process_env(resolve_device(cfg.rollout.engine.device))}
+    # Nothing device-specific is decided here, on the driver: the actor resolves its own device and sets
+    # up SGLang's environment itself (engine.start_engine -> device.activate_sglang_env).
+    env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     return ray.remote(RolloutWorker).options(
         num_cpus=p.engine_cpus, num_gpus=p.engine_gpus, max_concurrency=8,
         runtime_env={"env_vars": env}, **options,

@@ -191,7 +191,7 @@ def run(cfg, steps: int, pushes: int) -> dict:
 
         port = free_port()
         joined = engine.join_weight_group.remote("127.0.0.1", port, 2, 1, WEIGHT_GROUP, "gloo")
-        ray.get(learner.open_weight_group.remote("127.0.0.1", port, 2), timeout=timeout)
+        ray.get(learner.open_weight_group.remote("127.0.0.1", port, 2, WEIGHT_GROUP), timeout=timeout)
         ray.get(joined, timeout=timeout)
         push = []
         for _ in range(pushes):
@@ -201,6 +201,14 @@ def run(cfg, steps: int, pushes: int) -> dict:
             if last.get("error"):
                 raise RuntimeError(f"push failed: {last['error']}")
             push.append({**started, "wait_s": waited, **last})
+        # As in a run: the push starts and the next training step runs while it is under way.
+        overlap = []
+        for s in range(pushes):
+            started = ray.get(learner.push_weights.remote([engine], None), timeout=timeout)
+            step = ray.get(learner.train_step.remote(synthetic_groups(cfg, tok, model_cfg.vocab_size, seed=100 + s)),
+                           timeout=timeout)
+            ray.get(learner.wait_push.remote(), timeout=timeout)
+            overlap.append({**started, "train_s": step["train_s"], **ray.get(learner.last_push.remote())})
         nbytes = int(push[0]["push_bytes"])
         if any(p["bytes"] != nbytes for p in push):
             raise RuntimeError(f"sent bytes {[p['bytes'] for p in push]} != planned {nbytes}")
@@ -215,7 +223,8 @@ def run(cfg, steps: int, pushes: int) -> dict:
         ray.shutdown()
     dtype = engine_dtype(resolve_device(cfg.rollout.engine.device), cfg.rollout.engine.dtype)
     flat = flatten_seconds(cfg.model.path, dtype, pushes)
-    return {"train": train, "push": push, "raw": raw, "flatten": flat, "bytes": nbytes, "dtype": dtype}
+    return {"train": train, "push": push, "overlap": overlap, "raw": raw, "flatten": flat, "bytes": nbytes,
+            "dtype": dtype}
 
 
 def main() -> None:
@@ -262,7 +271,23 @@ def main() -> None:
         "train_tokens_per_step": round(med(t["train_tokens"] for t in r["train"])),
         "learner_tokens_per_s": round(med(t["train_tokens"] / t["train_s"] for t in r["train"]), 1),
         "train_s_median": round(train_s, 4), "stall_over_train_step": round(stall_s / train_s, 4),
+        **overlap_summary(r["overlap"], train_s, cfg.weight_sync.bucket_mb),
     }))
+
+
+def overlap_summary(overlap: list[dict], train_alone_s: float, bucket_mb: int) -> dict:
+    """The push as a run sees it: the learner's stall (the push call), the engine's pause (its whole
+    update: pause, load every bucket, continue) and the training step run beside the push, each over the
+    median training step measured alone in the same run."""
+    med = statistics.median
+    stall = med(o["push_blocking_s"] for o in overlap)
+    pause = med(o["engine_s"] for o in overlap)
+    during = med(o["train_s"] for o in overlap)
+    return {"overlap_pushes": len(overlap), "buckets": int(overlap[0]["push_buckets"]),
+            "overlap_stall_s_median": round(stall, 4), "overlap_engine_pause_s_median": round(pause, 4),
+            "overlap_train_s_median": round(during, 4),
+            "stall_over_step": round(stall / train_alone_s, 4), "engine_pause_over_step": round(pause / train_alone_s, 4),
+            "step_during_push_over_alone": round(during / train_alone_s, 4)}
 
 
 if __name__ == "__main__":

@@ -124,9 +124,6 @@ def test_dcp_resume_gives_bit_identical_next_step(ray_cluster, cfg, tmp_path):
     assert got["grad_norm"] == expected["grad_norm"] and got["version"] == 2.0
 
 
-# Runs before test_push_reaches_sglang_and_hf_export_reloads: that test starts an SGLang engine inside
-# the pytest process, whose leftover SIGQUIT/child watchdog then ends pytest when a later test's
-# subprocess exits. (The training path never starts an engine in the driver.)
 def test_push_sender_failure_unblocks_every_rank_and_raises(ray_cluster, cfg):
     """The only receiver of the weight group (a process standing in for an engine) dies before a push: the
     sender thread's broadcast fails. Both ranks still return from push_weights (rank 0 keeps gathering, so
@@ -157,11 +154,15 @@ def test_push_sender_failure_unblocks_every_rank_and_raises(ray_cluster, cfg):
 
 
 def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model, tmp_path):
+    import json
+    import subprocess
+    import sys
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_dapo.bootstrap import encode_prompt
+    from async_dapo.config import dump_config
     from async_dapo.data import train_rows
-    from async_dapo.engine import sample_groups, start_engine
     from async_dapo.learner import WEIGHT_GROUP
     from async_dapo.rollout import rollout_actor_class
 
@@ -201,11 +202,111 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
     stop(ray, [learner])
     ray.kill(engine)
 
-    # The export also loads in a fresh SGLang engine and samples there.
-    fresh = start_engine(cfg.rollout.engine, export)
-    try:
-        groups = sample_groups(fresh, prompts[:2], 2, {"temperature": 1.0, "max_new_tokens": 4})
-    finally:
-        fresh.shutdown()
-    assert all(len(s.output_ids) >= 1 for g in groups for s in g)
+    # The export also loads in a fresh SGLang engine and samples there. In a child process: an engine
+    # started in the pytest process leaves SGLang's child watchdog there, which ends pytest when any
+    # later test's subprocess exits.
+    script = ("import json, sys; from async_dapo.config import load_config; "
+              "from async_dapo.engine import sample_groups, start_engine\n"
+              "if __name__ == '__main__':\n"
+              "    cfg = load_config(sys.argv[1]); prompts = json.loads(sys.argv[3])\n"
+              "    fresh = start_engine(cfg.rollout.engine, sys.argv[2])\n"
+              "    try: groups = sample_groups(fresh, prompts, 2, {'temperature': 1.0, 'max_new_tokens': 4})\n"
+              "    finally: fresh.shutdown()\n"
+              "    print(json.dumps([[len(s.output_ids) for s in g] for g in groups]))\n")
+    dump_config(cfg, tmp_path / "cfg.yaml")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cfg.yaml"), str(export),
+                           json.dumps(prompts[:2])], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lengths = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(lengths) == 2 and all(n >= 1 for g in lengths for n in g)
 
+
+
+def test_the_batch_is_serialized_once_whatever_the_number_of_ranks(ray_cluster, cfg, monkeypatch):
+    """Placed.put + on_learners: the driver pickles each group once (into Ray's object store), not once per
+    learner rank, and both ranks train on it (issue 13 item 3). Also: perf/pad_ratio's inputs."""
+    from async_dapo.placement import Placed
+
+    pickled = []
+
+    def counting_reduce(self, protocol):
+        pickled.append(self.group_id)
+        return object.__reduce_ex__(self, protocol)
+
+    monkeypatch.setattr(Group, "__reduce_ex__", counting_reduce)
+    ranks = start_learners(ray_cluster, cfg, 2)
+    placed = Placed(cfg, pg=None, replay=None, learners=ranks)
+    groups = make_groups(4, 4, seed=9)
+    stats = placed.on_learners("train_step", placed.put(groups))
+    assert sorted(pickled) == sorted(g.group_id for g in groups)  # once each, not once per rank
+    assert [s["version"] for s in stats] == [1.0, 1.0] and stats[0]["loss"] == stats[1]["loss"]
+    # Right-padded micro-batches of varied lengths: some padding, never all of it.
+    assert 0.0 < stats[0]["pad_ratio"] < 1.0 and stats[0]["pad_ratio"] == stats[1]["pad_ratio"]
+    stop(ray_cluster, ranks)
+
+
+def test_warmup_counts_training_steps_not_updates(ray_cluster, cfg):
+    """learner.warmup_steps = 2 with 2 optimizer updates per step: the LR is 0 for all of step 1 (the
+    weights do not move), lr / 2 for step 2, then lr — verl's schedule, in training steps."""
+    warm = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"warmup_steps": 2})})
+    assert warm.algorithm.train_batch_groups // warm.learner.mini_batch_groups == 2
+    (rank,) = start_learners(ray_cluster, warm, 1)
+    lrs = [ray_cluster.get(rank.train_step.remote(make_groups(4, 4, seed=s)))["lr"] for s in range(3)]
+    assert lrs == [0.0, warm.learner.lr / 2, warm.learner.lr]
+    stop(ray_cluster, [rank])
+
+
+RECEIVER = """
+import json, sys, torch, torch.distributed as dist
+from safetensors.torch import save_file
+from async_dapo.weight_sync import open_update_group
+port, plan, out = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+pg = open_update_group("127.0.0.1", port, 2, "two_ranks", "gloo", 60, rank=1)
+got = {}
+for names, dtypes, shapes in plan:  # one flat broadcast per bucket, split like SGLang's flattened bucket
+    sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes)]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    dist.broadcast(flat, src=0, group=pg)
+    for name, d, s, part in zip(names, dtypes, shapes, flat.split(sizes)):
+        got[name] = part.view(getattr(torch, d)).reshape(s).clone()
+save_file(got, out)
+"""
+
+
+def test_two_rank_push_sends_the_snapshot_while_the_next_step_trains(ray_cluster, cfg, tmp_path):
+    """Two learner ranks, buckets of 1 MB: the background gather (each rank's padded rows, one all_gather
+    per bucket) and rank 0's broadcast deliver exactly the weights of the moment push_weights was called,
+    although the next training step ran (and changed the weights) while the push was under way."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from async_dapo.learner import sglang_name
+    from async_dapo.weight_sync import plan_buckets
+
+    small = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(update={"bucket_mb": 1})})
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    plan = plan_buckets([(sglang_name(n), torch.float32, tuple(p.shape)) for n, p in model.named_parameters()],
+                        1 << 20)
+    assert len(plan) >= 2
+    ranks = start_learners(ray_cluster, small, 2)
+    on_all(ray_cluster, ranks, "train_step", make_groups(4, 4, seed=1))
+    on_all(ray_cluster, ranks, "export_hf", str(tmp_path / "at_push"))
+    port = free_port()
+    opened = ranks[0].open_weight_group.remote("127.0.0.1", port, 2, "two_ranks", "float32")
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port),
+                                 json.dumps([[b.names, b.dtypes, b.shapes] for b in plan]), str(tmp_path / "got.st")])
+    ray_cluster.get(opened, timeout=60)
+    pushed = on_all(ray_cluster, ranks, "push_weights", [], None, 1)
+    after = on_all(ray_cluster, ranks, "train_step", make_groups(4, 4, seed=2))  # runs beside the push
+    ray_cluster.get(ranks[0].wait_push.remote(), timeout=120)
+    assert receiver.wait(timeout=120) == 0
+    assert pushed[0]["push_buckets"] == len(plan) and after[0]["version"] == 2.0
+    got, want = load_file(tmp_path / "got.st"), load_file(tmp_path / "at_push" / "model.safetensors")
+    assert set(got) == {n for n in want if n != "lm_head.weight"} | ({"lm_head.weight"} & set(got))
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+    stop(ray_cluster, ranks)

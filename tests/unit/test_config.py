@@ -99,6 +99,9 @@ def test_shipped_configs_validate(name):
         assert (cfg.data.max_prompt_length, r.max_response_length, cfg.reward.overlong_buffer_length) == \
             (2048, 20480, 4096)
         assert cfg.logging.val_top_p == 0.7 and cfg.logging.val_n == 32 and gpus == 128
+        # 16 nodes: the multi-node rules hold (they are checked at load, this only names the values).
+        assert cfg.placement.nnodes == 16 and cfg.logging.run_dir.is_absolute()
+        assert cfg.learner.warmup_steps == 10  # verl's lr_warmup_steps, in training steps
     if name.startswith("qwen2.5_7b"):
         assert gpus == 8
     if cfg.placement.engine_gpus:
@@ -173,6 +176,21 @@ RULES = {
         ["weight_sync.timeout_s=601", "placement.call_timeout_s=1800"],
         ["3 * weight_sync.timeout_s (1803)", "placement.call_timeout_s"],
         ["weight_sync.timeout_s=600", "placement.call_timeout_s=1800"],
+    ),
+    "multi_node_run_dir_absolute": (
+        ["placement.nnodes=2", "transport.bind_host=0.0.0.0", "logging.run_dir=runs/x"],
+        ["logging.run_dir", "placement.nnodes", "absolute", "shared"],
+        ["placement.nnodes=2", "transport.bind_host=0.0.0.0", "logging.run_dir=/mnt/shared/x"],
+    ),
+    "multi_node_run_dir_not_node_local": (
+        ["placement.nnodes=2", "transport.bind_host=0.0.0.0", "logging.run_dir=/tmp/x"],
+        ["logging.run_dir", "placement.nnodes", "/tmp"],
+        ["placement.nnodes=1", "logging.run_dir=/tmp/x"],
+    ),
+    "multi_node_bind_reachable": (
+        ["placement.nnodes=2", "logging.run_dir=/mnt/shared/x", "transport.bind_host=127.0.0.1"],
+        ["transport.bind_host", "placement.nnodes", "0.0.0.0"],
+        ["placement.nnodes=2", "logging.run_dir=/mnt/shared/x", "transport.bind_host=10.0.0.5"],
     ),
     "ticket_outlives_request": (
         ["replay.ticket_ttl_s=600", "rollout.request_timeout_s=600"],

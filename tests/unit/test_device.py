@@ -68,3 +68,43 @@ def test_engine_sleeps_when_idle_on_cpu_only_unless_configured(monkeypatch):
     assert engine_kwargs(EngineConfig(device="cpu"), "m")["sleep_on_idle"] is True
     assert engine_kwargs(EngineConfig(device="cuda"), "m")["sleep_on_idle"] is False
     assert engine_kwargs(EngineConfig(device="cpu", sleep_on_idle=False), "m")["sleep_on_idle"] is False
+
+
+def test_learner_process_group_serves_cpu_and_cuda_tensors():
+    assert device.learner_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert device.learner_backend("cpu") == "gloo"
+
+
+def test_gpu_index_follows_ray_only_when_ray_leaves_cuda_visible_devices(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: ["6", "5"])
+    monkeypatch.delenv(device.NOSET_CUDA_ENV, raising=False)
+    assert device.assigned_gpu_ids() is None and device.local_gpu_index() == 0  # Ray set the variable
+    monkeypatch.setenv(device.NOSET_CUDA_ENV, "1")
+    assert device.assigned_gpu_ids() == [5, 6] and device.local_gpu_index() == 5
+
+
+def test_engine_starts_on_its_first_assigned_gpu_when_ray_does_not_set_visibility(monkeypatch):
+    from async_dapo import engine
+    from async_dapo.config import load_config
+
+    ec = load_config(None, ["rollout.engine.device=cuda", "placement.engine_gpus=1"]).rollout.engine
+    monkeypatch.setattr(engine, "resolve_device", lambda requested: "cuda")
+    monkeypatch.setattr(engine, "assigned_gpu_ids", lambda: [4, 5])
+    assert engine.engine_kwargs(ec, "/m")["base_gpu_id"] == 4
+    monkeypatch.setattr(engine, "assigned_gpu_ids", lambda: None)
+    assert "base_gpu_id" not in engine.engine_kwargs(ec, "/m")
+
+
+def test_a_cpu_only_driver_can_declare_gpu_actors():
+    """The driver (e.g. a CPU-only head node) never resolves the actors' device: declaring CUDA engines
+    and learners from the 32B config must not ask this machine's torch for a GPU."""
+    from async_dapo.config import load_config
+    from async_dapo.learner import learner_actor_class
+    from async_dapo.rollout import rollout_actor_class
+    from tests.conftest import REPO
+
+    cfg = load_config(REPO / "configs" / "dapo_qwen2.5_32b_16x8.yaml")
+    rollout_actor_class(cfg)
+    learner_actor_class(cfg)

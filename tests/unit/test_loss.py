@@ -21,6 +21,7 @@ from async_dapo.loss import (
     keep_group,
     masked_mean,
     policy_loss,
+    token_logprobs,
 )
 
 F64 = torch.float64
@@ -527,3 +528,162 @@ def test_importance_weights_and_entropy_reject_bad_arguments() -> None:
         entropy_and_token_prob(
             torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), chunk_size=0
         )
+
+
+# ----------------------------------------------------------------------------- token log-probs
+# float32 here (the learner's dtype for log-probs): "exact" means rounding, ~1e-7 relative.
+
+F32 = torch.float32
+
+
+def naive_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The old learner path: full-vocabulary fp32 log_softmax(logits / T), then gather."""
+    scaled = logits.float() / temperature
+    return torch.log_softmax(scaled, -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def values_and_grad(fn, base: torch.Tensor, weights: torch.Tensor):
+    """(fn(), d sum(weights * fn()) / d base); non-uniform weights check the gradient's scaling."""
+    out = fn()
+    (grad,) = torch.autograd.grad((out * weights).sum(), base)
+    return out.detach(), grad
+
+
+# Position 0: logits (0, ln 2, ln 5) -> p = (1, 2, 5) / 8. Position 1: uniform over 3.
+# Position 2: (0, 0, -inf), a banned token -> p = (1/2, 1/2, 0).
+HAND_LOGITS = [[[0.0, ln(2.0), ln(5.0)], [ln(3.0)] * 3, [0.0, 0.0, -math.inf]]]
+HAND_TARGETS = [[2, 0, 0]]
+
+
+def test_token_logprobs_hand_example_at_t1() -> None:
+    # log p_y; gradient of sum(log p_y) w.r.t. the logits = onehot(y) - p.
+    logits = t(HAND_LOGITS, F32).requires_grad_()
+    logprobs = token_logprobs(logits, torch.tensor(HAND_TARGETS), chunk_tokens=2)
+    assert logprobs.dtype == F32
+    assert_values(logprobs, [[ln(5 / 8), ln(1 / 3), ln(1 / 2)]], 1e-6)
+    logprobs.sum().backward()
+    expected_grad = [[[-1 / 8, -2 / 8, 3 / 8], [2 / 3, -1 / 3, -1 / 3], [1 / 2, -1 / 2, 0.0]]]
+    assert_values(logits.grad, expected_grad, 1e-6)
+
+
+def test_token_logprobs_hand_example_at_half_temperature() -> None:
+    # T = 1/2 squares the odds: (1, 2, 5) -> (1, 4, 25) / 30; uniform stays uniform; (1, 1, 0) too.
+    # Gradient = (onehot - p) / T = 2 * (onehot - p): position 0 -> 2 * (-1, -4, 5) / 30.
+    logits = t(HAND_LOGITS, F32).requires_grad_()
+    logprobs = token_logprobs(logits, torch.tensor(HAND_TARGETS), temperature=0.5)
+    assert_values(logprobs, [[ln(25 / 30), ln(1 / 3), ln(1 / 2)]], 1e-6)
+    logprobs.sum().backward()
+    expected_grad = [[[-1 / 15, -4 / 15, 1 / 3], [4 / 3, -2 / 3, -2 / 3], [1.0, -1.0, 0.0]]]
+    assert_values(logits.grad, expected_grad, 1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 24, 1000])  # N = 3 * 8 = 24: 7 does not divide it
+def test_token_logprobs_equals_naive_values_and_gradients(
+    temperature: float, chunk_tokens: int
+) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 8, 50, generator=gen).requires_grad_()
+    targets = torch.randint(0, 50, (3, 8), generator=gen)
+    weights = torch.randn(3, 8, generator=gen)
+    got = values_and_grad(
+        lambda: token_logprobs(logits, targets, temperature=temperature, chunk_tokens=chunk_tokens),
+        logits, weights,
+    )
+    want = values_and_grad(lambda: naive_logprobs(logits, targets, temperature), logits, weights)
+    for actual, expected in zip(got, want):
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0.0)
+
+
+def test_token_logprobs_bf16_logits() -> None:
+    # The learner's dtype on GPU. Both paths upcast the same bf16 values, so the log-probs agree to
+    # fp32 rounding; the gradient is bf16 (the logits' dtype) in both, so allow one bf16 step.
+    gen = torch.Generator().manual_seed(2)
+    logits = (3 * torch.randn(2, 9, 40, generator=gen)).bfloat16().requires_grad_()
+    targets = torch.randint(0, 40, (2, 9), generator=gen)
+    weights = torch.randn(2, 9, generator=gen)
+    values, grad = values_and_grad(
+        lambda: token_logprobs(logits, targets, temperature=0.7, chunk_tokens=5), logits, weights
+    )
+    naive_values, naive_grad = values_and_grad(
+        lambda: naive_logprobs(logits, targets, 0.7), logits, weights
+    )
+    assert values.dtype == F32 and grad.dtype == torch.bfloat16
+    torch.testing.assert_close(values, naive_values, atol=1e-5, rtol=0.0)
+    torch.testing.assert_close(grad.float(), naive_grad.float(), atol=1e-2, rtol=0.0)
+
+
+@pytest.mark.parametrize("layout", ["drop_last_position", "transposed"])
+def test_token_logprobs_non_contiguous_logits(layout: str) -> None:
+    # The learner passes out.logits[:, :-1], a view that cannot be flattened without a copy; chunks
+    # of 4 positions straddle its rows of 5. The gradient lands in the right places of the base.
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 6, 11, generator=gen).requires_grad_()
+
+    def view() -> torch.Tensor:
+        return base[:, :-1] if layout == "drop_last_position" else base.transpose(0, 1)
+
+    targets = torch.randint(0, 11, view().shape[:2], generator=gen)
+    weights = torch.randn(view().shape[:2], generator=gen)
+    got = values_and_grad(
+        lambda: token_logprobs(view(), targets, temperature=0.7, chunk_tokens=4), base, weights
+    )
+    want = values_and_grad(lambda: naive_logprobs(view(), targets, 0.7), base, weights)
+    for actual, expected in zip(got, want):
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0.0)
+    if layout == "drop_last_position":
+        assert (got[1][:, -1] == 0).all()  # the dropped position gets no gradient
+
+
+def test_token_logprobs_without_grad_and_int32_targets() -> None:
+    # The proximal pass runs under no_grad; token ids may arrive as int32.
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 6, generator=gen)
+    targets = torch.randint(0, 6, (2, 3), generator=gen)
+    with torch.no_grad():
+        got = token_logprobs(logits, targets.int(), temperature=0.7, chunk_tokens=4)
+    assert got.grad_fn is None
+    torch.testing.assert_close(got, naive_logprobs(logits, targets, 0.7), atol=1e-6, rtol=0.0)
+
+
+def test_token_logprobs_rejects_bad_arguments() -> None:
+    logits, targets = torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="logits must be"):
+        token_logprobs(torch.zeros(2, 4), targets)
+    with pytest.raises(ValueError, match="logits must be a floating"):
+        token_logprobs(torch.zeros(1, 2, 4, dtype=torch.long), targets)
+    with pytest.raises(ValueError, match="targets has shape"):
+        token_logprobs(logits, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets must hold integer"):
+        token_logprobs(logits, torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        token_logprobs(logits, targets, chunk_tokens=0)
+    for bad in (0.0, -0.7, math.nan):
+        with pytest.raises(ValueError, match="temperature"):
+            token_logprobs(logits, targets, temperature=bad)
+
+
+def test_entropy_with_temperature() -> None:
+    # logits (0, ln 3) at T = 1/2 -> (0, 2 ln 3): p = (1/10, 9/10), H = -(0.1 ln 0.1 + 0.9 ln 0.9).
+    logits = torch.tensor([[[0.0, ln(3.0)]]])
+    entropy, prob = entropy_and_token_prob(logits, torch.tensor([[1]]), temperature=0.5)
+    assert entropy.item() == pytest.approx(-(0.1 * ln(0.1) + 0.9 * ln(0.9)), abs=1e-6)
+    assert prob.item() == pytest.approx(0.9, abs=1e-6)
+
+
+def test_entropy_temperature_on_raw_view_equals_prescaled_and_token_logprobs() -> None:
+    # What the learner will pass (a bf16 view of raw logits and T) versus the old pre-scaled fp32
+    # tensor; the target probability is exp of token_logprobs at the same temperature.
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(2, 7, 13, generator=gen).bfloat16()
+    raw = base[:, :-1]
+    targets = torch.randint(0, 13, (2, 6), generator=gen)
+    mask = torch.rand(2, 6, generator=gen) < 0.7
+    entropy, prob = entropy_and_token_prob(raw, targets, mask, chunk_size=4, temperature=0.7)
+    want_entropy, want_prob = entropy_and_token_prob(raw.float() / 0.7, targets, mask)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-6, rtol=0.0)
+    torch.testing.assert_close(prob, want_prob, atol=1e-6, rtol=0.0)
+    logprobs = token_logprobs(raw, targets, temperature=0.7)
+    torch.testing.assert_close(prob, logprobs.exp() * mask, atol=1e-6, rtol=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        entropy_and_token_prob(raw, targets, temperature=0.0)
