@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from async_dapo.config import Config, TinyModelConfig
-from async_dapo.data import PromptRow, synthetic_distinct_rows, synthetic_response, synthetic_rows
+from async_dapo.data import PromptRow, encode_prompt, synthetic_distinct_rows, synthetic_response, synthetic_rows
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +105,6 @@ def build_model(tc: TinyModelConfig, tokenizer, max_positions: int):
     )
     torch.manual_seed(tc.seed)
     return Qwen2ForCausalLM(cfg)
-
-
-def encode_prompt(tokenizer, row: PromptRow) -> list[int]:
-    """Chat-templated prompt token ids, ending with the assistant header."""
-    text = tokenizer.apply_chat_template(
-        [m.model_dump() for m in row.prompt], add_generation_prompt=True, tokenize=False
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _sft_batch(tokenizer, rows: list[PromptRow], pad_id: int, style: str) -> tuple[torch.Tensor, torch.Tensor]:

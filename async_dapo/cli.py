@@ -12,6 +12,7 @@ import json
 import logging
 import statistics
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -61,35 +62,32 @@ def _bootstrap(cfg: Config, force: bool = False) -> None:
 
 
 def _eval(cfg: Config, repeats: int = 1) -> None:
-    from transformers import AutoTokenizer
-
-    from async_dapo.device import pin_threads
-    from async_dapo.engine import start_engine
-    from async_dapo.evaluate import validate
+    """Validate the configured model ``repeats`` times through a rollout actor's sampling path, in this
+    process (no Ray): the same function, sample type and scoring as training and in-run validation."""
+    from async_dapo.data import val_rows
+    from async_dapo.evaluate import merge_parts, val_sampling_params
     from async_dapo.metrics import val_subsets_line
+    from async_dapo.rollout import RolloutWorker
 
     if cfg.model.bootstrap is not None:
         _bootstrap(cfg)
-    pin_threads(1)
-    trust = cfg.model.trust_remote_code
-    engine = start_engine(cfg.rollout.engine, cfg.model.path, trust_remote_code=trust)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=trust)
+    worker = RolloutWorker(cfg, 0)
+    rows, k = val_rows(cfg), cfg.logging.val_n
     avgs = []
     try:
         for _ in range(repeats):  # the engine's sampler moves on: each pass draws new samples
-            res = validate(engine, tokenizer, cfg)
-            m = res.metrics
+            t0 = time.perf_counter()
+            m = merge_parts([list(range(len(rows)))], [worker.validate(rows, k, val_sampling_params(cfg))], rows)
+            seconds = time.perf_counter() - t0
             avgs.append(m["val/avg_at_k"])
-            log.info(
-                "val avg@%d %.3f  pass@%d %.3f  maj@%d %.3f  (%d distinct prompts, %d tokens, %.0f tok/s)  %s",
-                res.k, m["val/avg_at_k"], res.k, m["val/pass_at_k"], res.k, m["val/maj_at_k"], res.prompts,
-                res.gen_tokens, res.gen_tokens / res.seconds, val_subsets_line(m),
-            )
+            log.info("val avg@%d %.3f  pass@%d %.3f  maj@%d %.3f  (%d distinct prompts, %d tokens, %.0f tok/s)  %s",
+                     k, m["val/avg_at_k"], k, m["val/pass_at_k"], k, m["val/maj_at_k"], len(rows),
+                     m["val/gen_tokens"], m["val/gen_tokens"] / seconds, val_subsets_line(m))
     finally:
-        engine.shutdown()
+        worker.shutdown()
     if repeats > 1:
         log.info("avg@%d over %d validations of the same weights: mean %.4f, sd %.4f, range %.4f-%.4f",
-                 cfg.logging.val_n, repeats, statistics.mean(avgs), statistics.stdev(avgs), min(avgs), max(avgs))
+                 k, repeats, statistics.mean(avgs), statistics.stdev(avgs), min(avgs), max(avgs))
 
 
 def _train(cfg: Config, resume: Path | None) -> int:

@@ -213,13 +213,19 @@ class RewardConfig(_Section):
         8, ge=1, description="L_cache: penalty ramps over the last this-many tokens before L_max."
     )
     overlong_penalty_factor: float = Field(1.0, ge=0, le=100, description="Penalty at L_max.")
-    custom_function: str | None = Field(
+    function: str | None = Field(
         None, pattern=r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$",
-        description="verl's custom_reward_function as 'path/to/file.py:name' or 'package.module:name': "
-        "called as name(data_source, solution_str, ground_truth, extra_info) and returning a float score "
-        "or a dict with 'score' (and optionally 'acc'; default acc = score > 0). None = the built-in "
-        "math_dapo rules. It runs inside the rollout actors; an exception abandons that group (counted as "
-        "queue/abandoned/score_error) and its prompt goes back to the cursor.",
+        description="The reward function, verl's custom_reward_function (path + name) as one string: "
+        "'path/to/file.py:name' or 'package.module:name'. Called in the rollout actors as "
+        "name(data_source, solution_str, ground_truth, extra_info) with the decoded response and the row's "
+        "reward_model.ground_truth and extra_info; returns a float score, or a dict with 'score' and "
+        "optionally 'acc' (default score > 0) and 'pred', as verl's. None = the built-in DAPO math reward "
+        "(math_dapo rules). An exception abandons that group (counted as queue/abandoned/score_error) and "
+        "its prompt goes back to the cursor; the run goes on.",
+    )
+    boxed_match: Literal["exact", "normalized"] = Field(
+        "exact", description="Built-in reward, a response without an 'Answer:' line: its last \\boxed{} must "
+        "equal the ground truth exactly (verl's strict box rule), or after normalising both ('normalized').",
     )
 
 
@@ -412,7 +418,14 @@ class LoggingConfig(_Section):
 
     run_dir: Path = Field(Path("runs/tiny_cpu"), description="Everything of a run is written here.")
     tensorboard: bool = Field(True, description="Write TensorBoard events to run_dir/tb.")
-    val_every_steps: int = Field(10, ge=0, description="Validate every k steps (0 = never).")
+    val_every_steps: int = Field(
+        10, ge=0, description="Start a validation every k steps and at the last (0 = never). It runs on every "
+        "engine beside training (the learner does not wait) and is logged against the step it started at.",
+    )
+    val_before_train: bool = Field(
+        True, description="verl's trainer.val_before_train: also validate the initial weights at step 0 (when "
+        "val_every_steps > 0).",
+    )
     val_prompts: int = Field(
         256, ge=1, description="Most held-out prompts per validation; each distinct (repeated rows of a file are "
         "dropped, the synthetic split is not cycled), so fewer when the split has fewer.",

@@ -280,6 +280,15 @@ def val_rows(cfg) -> list[PromptRow]:
     return distinct_prompt_rows(load_rows(cfg.data.val), str(cfg.data.val))[:n]
 
 
+def encode_prompt(tokenizer, row: PromptRow) -> list[int]:
+    """Chat-templated prompt token ids, ending with the assistant header: what every engine request and the
+    warm start see for ``row``."""
+    text = tokenizer.apply_chat_template(
+        [m.model_dump() for m in row.prompt], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def source_name(cfg, split: Literal["train", "val"]) -> str:
     """How messages name a split's prompt source: the configured file path, or ``synthetic:<split>``."""
     if split not in ("train", "val"):

@@ -1,4 +1,5 @@
-"""Start an SGLang engine from the config, on CPU or CUDA, and sample groups with token logprobs.
+"""Start an SGLang engine from the config, on CPU or CUDA. Sampling goes through the rollout actor's one
+path (``rollout._Session``: training groups, validation and ``async-dapo eval`` alike).
 
 The engine runs in-process (``sglang.Engine``; its scheduler and detokenizer are subprocesses). On CPU,
 :mod:`async_dapo.device` supplies the environment SGLang needs before ``sglang`` is imported.
@@ -10,21 +11,11 @@ must therefore divide its logits by the same temperature to compare against beha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from async_dapo.config import EngineConfig
 from async_dapo.device import activate_sglang_env, assigned_gpu_ids, engine_dtype, resolve_device
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One finished completion."""
-
-    output_ids: list[int]
-    logprobs: list[float]  # behaviour logprob of each output token (temperature-scaled)
-    truncated: bool  # stopped by the length limit, not by EOS
 
 
 def engine_kwargs(ec: EngineConfig, model_path: str | Path, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -60,25 +51,3 @@ def start_engine(ec: EngineConfig, model_path: str | Path, trust_remote_code: bo
     import sglang  # after the environment is set: the CPU path needs it at import time
 
     return sglang.Engine(**engine_kwargs(ec, model_path, trust_remote_code))
-
-
-def parse_output(out: dict[str, Any]) -> Sample:
-    """Turn one SGLang generate() result into a :class:`Sample`."""
-    meta = out["meta_info"]
-    logprobs = [lp for lp, _tok, *_ in meta["output_token_logprobs"]]
-    finish = meta.get("finish_reason") or {}
-    return Sample(
-        output_ids=list(out["output_ids"]),
-        logprobs=[float(x) for x in logprobs],
-        truncated=finish.get("type") == "length",
-    )
-
-
-def sample_groups(
-    engine, prompts: list[list[int]], n: int, sampling_params: dict[str, Any]
-) -> list[list[Sample]]:
-    """``n`` samples for each prompt, submitted as one batch (SGLang shares the prompt prefix)."""
-    flat = [p for p in prompts for _ in range(n)]
-    outs = engine.generate(input_ids=flat, sampling_params=sampling_params, return_logprob=True)
-    samples = [parse_output(o) for o in outs]
-    return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]

@@ -1,30 +1,13 @@
-"""Validation: k samples per distinct held-out prompt through an SGLang engine -> avg@k, pass@k, maj@k
-(levels weighted equally when the rows have levels, see :class:`ValResult`)."""
+"""Validation metrics: k samples per distinct held-out prompt, drawn by the rollout actors' one sampling
+path (``rollout._Session.validate``, rows spread over every engine) -> avg@k, pass@k, maj@k (levels weighted
+equally when the rows have levels, see :func:`val_metrics`)."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from dataclasses import dataclass
 
-from async_dapo.config import Config
-from async_dapo.data import PromptRow, prompt_key, val_rows
-from async_dapo.reward import INVALID_PRED, dapo_math_score
-
-
-@dataclass(frozen=True)
-class ValResult:
-    # Per prompt: avg = accuracy over its k samples, pass = any sample correct, maj = its most frequent
-    # extracted answer is correct. val/avg_at_k, val/pass_at_k, val/maj_at_k weight them as the run weights
-    # its data: when every row carries extra_info.level (the synthetic task, which trains its levels
-    # uniformly) the mean over levels of the per-level means, each level in the rows weighing 1/(number of
-    # levels); otherwise the plain mean over rows (verl's convention for a file). val/avg_at_k/<subset>: the
-    # row mean of avg per level or data source. val/distinct_prompts: how many distinct prompts were validated.
-    metrics: dict[str, float]
-    k: int
-    prompts: int
-    gen_tokens: int
-    seconds: float
+from async_dapo.data import PromptRow, prompt_key
+from async_dapo.reward import INVALID_PRED, ScoreFn, builtin_score
 
 
 def subset_of(row: PromptRow) -> str:
@@ -34,13 +17,15 @@ def subset_of(row: PromptRow) -> str:
     return f"L{level}" if level is not None else row.data_source
 
 
-def prompt_scores(texts: list[list[str]], truths: list[str]) -> list[tuple[float, float, float]]:
-    """Per prompt: (accuracy over its k samples, any sample correct, majority answer correct). Majority
-    voting is over the extracted answers; ties go to the answer seen first."""
+def prompt_scores(texts: list[list[str]], rows: list[PromptRow], score_fn: ScoreFn = builtin_score,
+                  ) -> list[tuple[float, float, float]]:
+    """Per prompt: (accuracy over its k samples, any sample correct, majority answer correct), scored by the
+    run's reward function. Majority voting is over the extracted answers (``pred``); ties go to the answer
+    seen first; a scorer that reports no ``pred`` gives no majority."""
     out = []
-    for group, truth in zip(texts, truths):
-        results = [dapo_math_score(t, truth) for t in group]
-        votes = Counter(r.pred for r in results if r.pred != INVALID_PRED)
+    for group, row in zip(texts, rows):
+        results = [score_fn(row.data_source, t, row.ground_truth, row.extra_info) for t in group]
+        votes = Counter(r.pred for r in results if r.pred and r.pred != INVALID_PRED)
         top = votes.most_common(1)[0][0] if votes else None
         maj = any(r.acc for r in results if r.pred == top) if top is not None else False
         out.append((sum(r.acc for r in results) / len(results), float(any(r.acc for r in results)), float(maj)))
@@ -64,12 +49,11 @@ def _aggregate(scores: list[tuple[float, float, float]], rows: list[PromptRow]) 
     return tuple(_mean(list(col)) for col in zip(*per_level))
 
 
-def val_metrics(texts: list[list[str]], rows: list[PromptRow]) -> dict[str, float]:
-    """``val/avg_at_k``, ``val/pass_at_k``, ``val/maj_at_k``: the mean over levels of the per-level means
-    when every row carries ``extra_info.level``, else the mean over rows; ``val/distinct_prompts``; and
-    ``val/avg_at_k/<subset>`` (row mean per subset, see :func:`subset_of`) when there is more than one
-    subset, so a run shows which level moved."""
-    scores = prompt_scores(texts, [r.ground_truth for r in rows])
+def val_metrics(scores: list[tuple[float, float, float]], rows: list[PromptRow]) -> dict[str, float]:
+    """``val/avg_at_k``, ``val/pass_at_k``, ``val/maj_at_k`` from :func:`prompt_scores` (one per row, in
+    order): the mean over levels of the per-level means when every row carries ``extra_info.level``, else
+    the mean over rows; ``val/distinct_prompts``; and ``val/avg_at_k/<subset>`` (row mean per subset, see
+    :func:`subset_of`) when there is more than one subset, so a run shows which level moved."""
     names = ("avg_at_k", "pass_at_k", "maj_at_k")
     out = {f"val/{name}": value for name, value in zip(names, _aggregate(scores, rows))}
     out["val/distinct_prompts"] = float(len({prompt_key(r) for r in rows}))
@@ -81,18 +65,26 @@ def val_metrics(texts: list[list[str]], rows: list[PromptRow]) -> dict[str, floa
     return out
 
 
-def validate(engine, tokenizer, cfg: Config, rows: list[PromptRow] | None = None) -> ValResult:
-    """Sample ``logging.val_n`` completions per held-out prompt with the validation sampling params."""
-    from async_dapo.bootstrap import encode_prompt
-    from async_dapo.engine import sample_groups
-
-    rows = rows if rows is not None else val_rows(cfg)
+def val_sampling_params(cfg) -> dict:
+    """The validation's SGLang sampling parameters (the paper's: T = 1.0, top_p = 0.7)."""
     lg = cfg.logging
-    params = {"temperature": lg.val_temperature, "top_p": lg.val_top_p,
-              "max_new_tokens": cfg.rollout.max_response_length}
-    t0 = time.perf_counter()
-    groups = sample_groups(engine, [encode_prompt(tokenizer, r) for r in rows], lg.val_n, params)
-    seconds = time.perf_counter() - t0
-    texts = [[tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in g] for g in groups]
-    tokens = sum(len(s.output_ids) for g in groups for s in g)
-    return ValResult(val_metrics(texts, rows), lg.val_n, len(rows), tokens, seconds)
+    return {"temperature": lg.val_temperature, "top_p": lg.val_top_p,
+            "max_new_tokens": cfg.rollout.max_response_length}
+
+
+def split_rows(rows: list[PromptRow], parts: int) -> list[list[int]]:
+    """Row indices for each of ``parts`` engines (every part-th row: levels and sources stay mixed)."""
+    return [list(range(i, len(rows), parts)) for i in range(parts)]
+
+
+def merge_parts(parts: list[list[int]], results: list[dict], rows: list[PromptRow]) -> dict[str, float]:
+    """One validation from the engines' results (each ``_Session.validate``'s dict for the rows ``parts``
+    gave it): the metrics over all rows, the generated tokens, and the range of policy versions sampled."""
+    scores: list = [None] * len(rows)
+    for idx, res in zip(parts, results):
+        for i, s in zip(idx, res["scores"]):
+            scores[i] = tuple(s)
+    done = [r for r in results if r["scores"]]
+    return {**val_metrics(scores, rows), "val/gen_tokens": float(sum(r["gen_tokens"] for r in results)),
+            "val/version": float(min(r["version_min"] for r in done)),
+            "val/version_max": float(max(r["version_max"] for r in done))}

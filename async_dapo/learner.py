@@ -215,9 +215,13 @@ class LearnerWorker:
         mask = mb.loss_mask
         ent, prob = entropy_and_token_prob(logits, mb.targets, mask, temperature=self.cfg.rollout.temperature,
                                            chunk_size=self.cfg.learner.logprob_chunk_tokens)
+        adv, inf = mb.advantages[mask], float("inf")
         add = {"tokens": n, "loss": loss.item(), "entropy": ent.sum().item(), "token_prob": prob.sum().item(),
-               "pg_clipfrac_upper": m["pg_clipfrac_upper"].item() * n,
-               "pg_clipfrac_lower": m["pg_clipfrac_lower"].item() * n, "ppo_kl": m["ppo_kl"].item() * n}
+               **{k: m[k].item() * n for k in ("pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_low_side",
+                                               "pg_clipfrac_lower")}, "ppo_kl": m["ppo_kl"].item() * n,
+               "advantages": adv.sum().item()}
+        sums["advantages_max"] = max(sums.get("advantages_max", -inf), adv.max().item())
+        sums["advantages_min"] = min(sums.get("advantages_min", inf), adv.min().item())
         if prox is not None:
             add["rollout_logprob_abs_diff"] = (prox - mb.behav_logprobs).abs()[mask].sum().item()
         if isw is not None:
@@ -258,15 +262,19 @@ class LearnerWorker:
         self.scheduler.step()
         self.version += 1
         out = self._reduce(sums)
-        out.update(grad_norm=max(norms), skipped_updates=float(self.skipped_updates), version=float(self.version),
+        out.update(grad_norm=max(norms), grad_norm_mean=sum(norms) / len(norms), skipped_updates=float(self.skipped_updates), version=float(self.version),
                    lr=lr, train_s=time.perf_counter() - t0)
         return out
 
     def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
-        keys = ["tokens", "loss", "entropy", "token_prob", "pg_clipfrac_upper", "pg_clipfrac_lower", "ppo_kl",
-                "rollout_logprob_abs_diff", "is_weight", "pad_tokens", "slot_tokens"]
+        keys = ["tokens", "loss", "entropy", "token_prob", "pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_low_side",
+                "pg_clipfrac_lower", "ppo_kl", "advantages", "rollout_logprob_abs_diff", "is_weight", "pad_tokens",
+                "slot_tokens"]
         vec = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
-        top = torch.tensor([sums.get("is_weight_max", 0.0)], dtype=torch.float64)
+        # maxima over ranks; the minimum as the max of its negation (a rank without tokens adds -inf)
+        inf = float("inf")
+        top = torch.tensor([sums.get("is_weight_max", 0.0), sums.get("advantages_max", -inf),
+                            -sums.get("advantages_min", inf)], dtype=torch.float64)
         if self.device == "cuda":
             vec, top = vec.cuda(), top.cuda()
         dist.all_reduce(vec)
@@ -275,7 +283,10 @@ class LearnerWorker:
         tokens = max(total.pop("tokens"), 1.0)
         pad, slots = total.pop("pad_tokens"), total.pop("slot_tokens")
         out = {k: v / tokens for k, v in total.items() if k != "loss"}
-        out.update(loss=total["loss"], train_tokens=tokens, is_weight_max=top.item(), pad_ratio=pad / max(slots, 1.0))
+        is_max, adv_max, neg_adv_min = top.tolist()
+        finite = adv_max != -inf  # no loss-bearing token on any rank: report 0
+        out.update(loss=total["loss"], train_tokens=tokens, is_weight_max=is_max, pad_ratio=pad / max(slots, 1.0),
+                   advantages_max=adv_max if finite else 0.0, advantages_min=-neg_adv_min if finite else 0.0)
         return out
 
     def gradients(self, groups) -> dict[str, torch.Tensor]:

@@ -207,11 +207,15 @@ def policy_loss(
     ``num_seqs`` ("seq-mean-*") so that splitting the batch into micro-batches and ranks leaves
     the summed gradient unchanged.
 
-    Metrics (0-d detached tensors, means over this call's valid tokens; call ``float()`` to log):
-    pg_clipfrac_upper (A > 0 and ratio > 1 + clip_high), pg_clipfrac_lower (A < 0 and
-    ratio < 1 - clip_low), dual_clipfrac (only with clip_c: A < 0 and ratio > clip_c, where the
-    dual bound is active), ppo_kl (mean of old_logprobs - logprobs, log ratio clamped as
-    above), ratio_mean, ratio_max.
+    Metrics (0-d detached tensors, means over this call's valid tokens; call ``float()`` to log;
+    the keys named as verl's are computed as verl's ``compute_policy_loss_vanilla`` does):
+    pg_clipfrac (verl's: the clipped term is taken, -A * clamp(ratio) > -A * ratio, either side),
+    pg_clipfrac_upper (A > 0 and ratio > 1 + clip_high: Clip-Higher's side),
+    pg_clipfrac_low_side (A < 0 and ratio < 1 - clip_low; pg_clipfrac = upper + low_side),
+    pg_clipfrac_lower (verl's: the DUAL clip is taken, A < 0 and
+    max(-A * ratio, -A * clamp(ratio)) > -A * clip_c, i.e. ratio > clip_c; 0 when clip_c is None,
+    where verl, which always dual-clips at clip_ratio_c = 3, would count those tokens),
+    ppo_kl (mean of old_logprobs - logprobs, log ratio clamped as above), ratio_mean, ratio_max.
     """
     for name, tensor in (("logprobs", logprobs), ("mask", mask)):
         _check_2d(name, tensor)
@@ -257,15 +261,22 @@ def _policy_metrics(
     ratio = log_ratio.exp()
     positive, negative = advantages > 0, advantages < 0
     ratio_valid = torch.where(keep, ratio, torch.zeros_like(ratio))  # ratios are > 0
+    # verl's comparisons, on the same terms as policy_loss (pg_losses1, pg_losses2, clip_pg_losses1).
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    if clip_c is None:  # no dual clip: it never engages
+        dual = torch.zeros_like(keep)
+    else:
+        dual = negative & (torch.maximum(unclipped, clipped) > -advantages * clip_c)
     metrics = {
+        "pg_clipfrac": masked_mean((clipped > unclipped).float(), keep),
         "pg_clipfrac_upper": masked_mean((positive & (ratio > 1.0 + clip_high)).float(), keep),
-        "pg_clipfrac_lower": masked_mean((negative & (ratio < 1.0 - clip_low)).float(), keep),
+        "pg_clipfrac_low_side": masked_mean((negative & (ratio < 1.0 - clip_low)).float(), keep),
+        "pg_clipfrac_lower": masked_mean(dual.float(), keep),
         "ppo_kl": masked_mean(-log_ratio, keep),
         "ratio_mean": masked_mean(ratio, keep),
         "ratio_max": ratio_valid.max() if ratio_valid.numel() else ratio_valid.sum(),
     }
-    if clip_c is not None:
-        metrics["dual_clipfrac"] = masked_mean((negative & (ratio > clip_c)).float(), keep)
     return {name: value.detach() for name, value in metrics.items()}
 
 

@@ -17,14 +17,16 @@ from typing import Any
 
 from async_dapo.wire import Group
 
-# learner key -> tag
+# learner key -> tag. verl's names where the quantity is verl's (docs/metrics.md maps every tag).
 _LEARNER_TAGS = {
     "entropy": "actor/entropy", "token_prob": "actor/token_prob_mean",
-    "pg_clipfrac_upper": "actor/pg_clipfrac_upper", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
-    "ppo_kl": "actor/ppo_kl", "grad_norm": "actor/grad_norm", "is_weight": "actor/is_weight_mean",
+    "pg_clipfrac": "actor/pg_clipfrac", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
+    "pg_clipfrac_upper": "actor/pg_clipfrac_upper", "pg_clipfrac_low_side": "actor/pg_clipfrac_low_side",
+    "ppo_kl": "actor/ppo_kl", "grad_norm": "actor/grad_norm_max", "grad_norm_mean": "actor/grad_norm", "is_weight": "actor/is_weight_mean",
     "is_weight_max": "actor/is_weight_max", "rollout_logprob_abs_diff": "actor/rollout_logprob_abs_diff",
     "loss": "actor/pg_loss", "lr": "actor/lr", "skipped_updates": "actor/skipped_updates",
-    "pad_ratio": "perf/pad_ratio",
+    "advantages": "critic/advantages/mean", "advantages_max": "critic/advantages/max",
+    "advantages_min": "critic/advantages/min", "pad_ratio": "perf/pad_ratio",
 }
 # replay-queue key -> tag
 _QUEUE_TAGS = {
@@ -38,22 +40,35 @@ _QUEUE_TAGS = {
 
 
 def batch_metrics(groups: list[Group], trained_version: int) -> dict[str, float]:
-    """Reward, length and staleness statistics of the groups a step trains on. Staleness of a group =
-    the version of the weights it is trained on − its oldest token's version (what η bounds)."""
+    """Reward, length and staleness statistics of the groups a step trains on (verl's
+    ``compute_data_metrics`` names where the quantity is verl's). Staleness of a group = the version of
+    the weights it is trained on − its oldest token's version (what η bounds)."""
     samples = [s for g in groups for s in g.samples]
+    rewards = [s.reward for s in samples]
     lengths = [s.num_tokens for s in samples]
+    prompts = [g.prompt_ids.size for g in groups for _ in g.samples]  # per sample, as verl counts them
     stale = [trained_version - g.min_version for g in groups]
-    return {
-        "reward/mean": statistics.fmean(s.reward for s in samples),
+    out = {}
+    # The shaped reward is verl's sequence score; with no KL penalty in the reward, also its "rewards".
+    for name in ("critic/score", "critic/rewards"):
+        out.update({f"{name}/mean": statistics.fmean(rewards), f"{name}/max": float(max(rewards)),
+                    f"{name}/min": float(min(rewards))})
+    out.update({
         "reward/acc_mean": statistics.fmean(float(s.acc) for s in samples),
-        "response/length_mean": statistics.fmean(lengths),
-        "response/length_max": float(max(lengths)),
-        "response/clip_ratio": statistics.fmean(float(s.truncated) for s in samples),
+        "response_length/mean": statistics.fmean(lengths),
+        "response_length/max": float(max(lengths)),
+        "response_length/min": float(min(lengths)),
+        "response_length/clip_ratio": statistics.fmean(float(s.truncated) for s in samples),
+        "prompt_length/mean": statistics.fmean(prompts),
+        "prompt_length/max": float(max(prompts)),
+        "prompt_length/min": float(min(prompts)),
+        "perf/total_num_tokens": float(sum(prompts) + sum(lengths)),
         "staleness/mean": statistics.fmean(stale),
         "staleness/max": float(max(stale)),
         "staleness/partial_rollout_frac": statistics.fmean(
             float(s.versions.size > 0 and s.versions.min() != s.versions.max()) for s in samples),
-    }
+    })
+    return out
 
 
 def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,
@@ -67,7 +82,7 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
     out.update({f"queue/{k}": float(v) for k, v in queue.items() if k.startswith("abandoned/")})  # by reason
     step_s = max(timing["step_s"], 1e-9)
     out.update({
-        "perf/step_s": step_s, "perf/wait_data_s": timing["wait_data_s"],
+        "perf/time_per_step": step_s, "perf/wait_data_s": timing["wait_data_s"],
         "perf/weight_push_s": timing["weight_push_s"], "perf/weight_push_stall_s": timing.get("weight_push_stall_s", 0.0),
         "perf/gen_tokens_per_s": timing["gen_tokens_per_s"],
         "perf/train_tokens_per_s": learner["train_tokens"] / max(learner["train_s"], 1e-9),
@@ -80,10 +95,33 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
 
 def progress_line(step: int, total: int, m: dict[str, float], eta_s: float) -> str:
     """One readable line per step."""
-    return (f"step {step}/{total} v{int(m['train/version'])} reward {m['reward/mean']:+.3f} "
+    return (f"step {step}/{total} v{int(m['train/version'])} reward {m['critic/score/mean']:+.3f} "
             f"acc {m['reward/acc_mean']:.3f} stale {m['staleness/mean']:.2f}/{int(m['staleness/max'])} "
             f"gen {m['perf/gen_tokens_per_s']:.0f} tok/s train {m['perf/train_tokens_per_s']:.0f} tok/s "
-            f"step {m['perf/step_s']:.1f}s wait {m['perf/wait_data_s']:.1f}s ETA {eta_s / 60:.1f} min")
+            f"step {m['perf/time_per_step']:.1f}s wait {m['perf/wait_data_s']:.1f}s ETA {eta_s / 60:.1f} min")
+
+
+# Tags renamed for verl's names (issue 14): old -> new, for reading metrics.jsonl of older runs. Two old
+# names are verl's with another meaning: ``actor/pg_clipfrac_lower`` (was A < 0 and ratio < 1 − ε_low, is
+# now verl's dual-clip fraction) and ``actor/grad_norm``, so rows are renamed only when they are old (see
+# :func:`upgrade_row`).
+RENAMED_TAGS = {
+    "reward/mean": "critic/score/mean",
+    "response/length_mean": "response_length/mean",
+    "response/length_max": "response_length/max",
+    "response/clip_ratio": "response_length/clip_ratio",
+    "perf/step_s": "perf/time_per_step",
+    "actor/grad_norm": "actor/grad_norm_max",  # the largest of the step's updates; verl's is their mean
+    "actor/pg_clipfrac_lower": "actor/pg_clipfrac_low_side",
+}
+
+
+def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics.jsonl row under today's tags: a training-step row written before the rename (it has
+    ``perf/step_s``) gets the new names; any other row is returned as is."""
+    if "perf/step_s" not in row:
+        return row
+    return {RENAMED_TAGS.get(k, k): v for k, v in row.items()}
 
 
 class MetricsWriter:

@@ -23,6 +23,7 @@ from typing import Any
 
 from async_dapo.config import Config, dump_config
 from async_dapo.data import val_rows
+from async_dapo.evaluate import merge_parts, split_rows, val_sampling_params
 from async_dapo.metrics import (
     MetricsWriter, PhaseClock, progress_line, rewind_jsonl, step_metrics, val_subsets_line, write_atomic,
 )
@@ -43,7 +44,7 @@ def train(cfg: Config, resume: Path | None = None, clock: PhaseClock | None = No
                 run.push_weights()                         # engines load while the next step trains
             run.log(step, batch, stats, t0)
             if run.due(step, cfg.logging.val_every_steps):
-                run.validate(step)
+                run.validate(step)                         # on every engine; the learner does not wait
             if run.due(step, cfg.checkpoint.every_steps) or step == cfg.learner.total_steps:
                 run.checkpoint(step)
         return run.finish()
@@ -64,6 +65,7 @@ class Run:
         self._push_failed_before = False
         self._push_stall_s = 0.0
         self._val_rows: list | None = None
+        self._val: dict[str, Any] | None = None  # the validation in flight (see _collect_validation)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
@@ -131,7 +133,7 @@ class Run:
             self.placed.start_rollouts()
         self._write_actors()
         self._last["t"] = self._t_start = time.perf_counter()
-        if self.step == 0 and cfg.logging.val_every_steps:
+        if self.step == 0 and cfg.logging.val_every_steps and cfg.logging.val_before_train:
             self.validate(0)
 
     def _restore(self) -> None:
@@ -254,6 +256,7 @@ class Run:
             self._log(step, batch, stats, t0)
 
     def _log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
+        self._collect_validation(block=False)  # a validation that finished meanwhile
         queue, roll, push = self.placed.step_stats()
         now = time.perf_counter()
         dt = max(roll["t"] - self._last["t"], 1e-9)  # between the two snapshots of the engines' counters
@@ -275,28 +278,49 @@ class Run:
         self.last_metrics = m
 
     def validate(self, step: int) -> None:
+        """Start a validation of the current weights, its rows spread over every engine; the loop does not
+        wait for it (the previous one, if still running, first: at most one at a time)."""
         with self.clock.phase("validation"):
-            self._validate(step)
+            self._collect_validation(block=True)
+            self._start_validation(step)
 
-    def _validate(self, step: int) -> None:
-        lg = self.cfg.logging
-        params = {"temperature": lg.val_temperature, "top_p": lg.val_top_p,
-                  "max_new_tokens": self.cfg.rollout.max_response_length}
-        what = f"validation at step {step}"
-        try:
-            if self._val_rows is None:  # built once: a file's dedup is logged once
-                self._val_rows = val_rows(self.cfg)
-            res = self.placed.get(self.placed.engines[0].validate.remote(self._val_rows, lg.val_n, params),
-                                  what, lg.val_timeout_s)
-        except RunFailed as exc:  # engine 0 may have died: replace it; a metric never ends the run
-            if isinstance(exc, ActorDied) or not isinstance(exc, WaitExpired):
-                self.supervisor.check(self.version, self._push_now)
-            log.warning("%s skipped: %s", what, exc)
+    def _start_validation(self, step: int) -> None:
+        if self._val_rows is None:  # built once: a file's dedup is logged once
+            self._val_rows = val_rows(self.cfg)
+        engines = self.placed.engines
+        parts = split_rows(self._val_rows, len(engines))
+        params, k = val_sampling_params(self.cfg), self.cfg.logging.val_n
+        refs = [e.validate.remote([self._val_rows[i] for i in idx], k, params) for e, idx in zip(engines, parts)]
+        self._val = {"step": step, "parts": parts, "refs": refs, "t0": time.perf_counter()}
+
+    def _collect_validation(self, block: bool) -> None:
+        """Log the validation in flight once every engine has answered, against the step it started at (and
+        the policy versions it sampled: val/version .. val/version_max). ``block``: wait for it, at most
+        logging.val_timeout_s from its start. A failed or late validation is skipped with a warning: a
+        metric never ends the run (a dead engine is the supervisor's business)."""
+        import ray
+
+        v, lg = self._val, self.cfg.logging
+        if v is None:
             return
-        self.metrics.write(step, res)
-        log.info("val step %d (engine v%d, %d distinct prompts): avg@%d %.3f pass@%d %.3f maj@%d %.3f  %s", step,
-                 int(res["val/version"]), int(res["val/distinct_prompts"]), lg.val_n, res["val/avg_at_k"], lg.val_n,
-                 res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"], val_subsets_line(res))
+        left = v["t0"] + lg.val_timeout_s - time.perf_counter()
+        ready, _ = ray.wait(v["refs"], num_returns=len(v["refs"]), timeout=max(0.0, left) if block else 0)
+        if len(ready) < len(v["refs"]) and not block and left > 0:
+            return  # still running: the learner goes on
+        self._val = None
+        try:
+            if len(ready) < len(v["refs"]):
+                raise WaitExpired(f"not every engine answered in {lg.val_timeout_s:.0f} s (logging.val_timeout_s)")
+            res = merge_parts(v["parts"], self.placed.get(v["refs"], "validation"), self._val_rows)
+        except RunFailed as exc:
+            log.warning("validation at step %d skipped: %s", v["step"], exc)
+            return
+        res["val/seconds"] = time.perf_counter() - v["t0"]
+        self.metrics.write(v["step"], res)
+        log.info("val step %d (v%d..v%d, %d distinct prompts, %d engines, %.1f s): avg@%d %.3f pass@%d %.3f "
+                 "maj@%d %.3f  %s", v["step"], int(res["val/version"]), int(res["val/version_max"]),
+                 int(res["val/distinct_prompts"]), len(v["refs"]), res["val/seconds"], lg.val_n, res["val/avg_at_k"],
+                 lg.val_n, res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"], val_subsets_line(res))
         self.last_val = res
 
     def checkpoint(self, step: int) -> None:
@@ -316,6 +340,8 @@ class Run:
         log.info("checkpoint %s", ckpt)
 
     def finish(self) -> dict[str, Any]:
+        with self.clock.phase("validation"):
+            self._collect_validation(block=True)
         try:
             self.placed.wait_push()
         except RunFailed as exc:

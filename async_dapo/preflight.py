@@ -9,11 +9,11 @@ from async_dapo.data import fit_prompt_lengths, prompt_key, source_name, train_r
 
 
 def check_reward_function(cfg: Config) -> None:
-    """``reward.custom_function`` must load here as it will in every rollout actor."""
+    """``reward.function`` must load here as it will in every rollout actor."""
     from async_dapo.reward import load_score_fn
 
     try:
-        load_score_fn(cfg.reward.custom_function)
+        load_score_fn(cfg.reward.function, cfg.reward.boxed_match)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -36,7 +36,7 @@ def check_prompts(cfg: Config) -> None:
 def _prompt_lengths(tokenizer, rows) -> list[int]:
     """Token count of each row's prompt (chat template applied), each distinct prompt tokenized once: the
     synthetic training set cycles ~1,400 problems through 20,000 rows."""
-    from async_dapo.bootstrap import encode_prompt
+    from async_dapo.data import encode_prompt
 
     known: dict[tuple, int] = {}
     lengths = []

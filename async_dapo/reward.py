@@ -5,8 +5,10 @@ Runs inside the rollout actors, so it is pure Python + ``re`` (no torch import).
 ``dapo_math_score`` reproduces the semantics of verl's ``math_dapo.compute_score``
 (verl-project/verl main): only the last 300 characters of the response are read; the LAST
 "Answer: ..." line (case-insensitive) is normalised and compared, as a string, with the
-normalised ground truth; when the response has no Answer line, the last ``\\boxed{...}`` in
-the last 100 characters of that window is normalised and compared instead.
+normalised ground truth. verl stops there (no Answer line = wrong); here, when the response has no
+Answer line, the last ``\\boxed{...}`` in the last 100 characters of that window is compared instead,
+exactly with the raw ground truth as verl's strict box check does (``reward.boxed_match: exact``), or
+after normalising both (``normalized``, an explicit switch).
 The deliberate differences from verl are listed in docs/algorithm.md.
 """
 
@@ -135,14 +137,16 @@ def _result(correct: bool, pred: str) -> RewardResult:
 
 
 def dapo_math_score(
-    solution: str, ground_truth: str, *, strict_box_verify: bool = False
+    solution: str, ground_truth: str, *, strict_box_verify: bool = False, boxed_match: str = "exact"
 ) -> RewardResult:
     """Score a response against its ground truth with verl's ``math_dapo`` rules.
 
     Default mode: take the last 300 characters; if they contain an "Answer:" line, the last
     one decides (normalised string equality with the normalised ground truth). Otherwise the
-    last ``\\boxed{}`` in the final 100 of those characters is normalised and compared; with
-    neither, the response is wrong and ``pred`` is ``INVALID_PRED``.
+    last ``\\boxed{}`` in the final 100 of those characters decides: equal to the raw ground truth
+    (``boxed_match="exact"``, verl's strict box rule: ``\\boxed{ 3 }`` is not ``3``) or equal after
+    normalising both (``"normalized"``); with neither, the response is wrong and ``pred`` is
+    ``INVALID_PRED``.
 
     ``strict_box_verify=True``: only the boxed answer in the final 100 characters counts and it
     must equal the raw ground truth exactly (no normalisation), as in verl.
@@ -163,6 +167,10 @@ def dapo_math_score(
     boxed = last_boxed_content(window[-BOXED_WINDOW:])
     if boxed is None:
         return _result(False, INVALID_PRED)
+    if boxed_match == "exact":
+        return _result(boxed == ground_truth, boxed)
+    if boxed_match != "normalized":
+        raise ValueError(f"boxed_match must be 'exact' or 'normalized', got {boxed_match!r}")
     pred = normalize_final_answer(boxed)
     return _result(pred == target, pred)
 
@@ -203,17 +211,19 @@ def overlong_penalty(
 ScoreFn = Callable[[str, str, str, dict], RewardResult]
 
 
-def builtin_score(data_source: str, solution: str, ground_truth: str, extra_info: dict) -> RewardResult:
+def builtin_score(data_source: str, solution: str, ground_truth: str, extra_info: dict, *,
+                  boxed_match: str = "exact") -> RewardResult:
     """The default scorer: :func:`dapo_math_score` (the data source does not matter)."""
-    return dapo_math_score(solution, ground_truth)
+    return dapo_math_score(solution, ground_truth, boxed_match=boxed_match)
 
 
-def load_score_fn(spec: str | None) -> ScoreFn:
-    """``reward.custom_function`` ('path/file.py:name' or 'package.module:name', verl's
-    custom_reward_function) as a scorer returning :class:`RewardResult`; None = :func:`builtin_score`.
-    Raises ValueError naming the spec when the file, module or function cannot be loaded."""
+def load_score_fn(spec: str | None, boxed_match: str = "exact") -> ScoreFn:
+    """``reward.function`` ('path/file.py:name' or 'package.module:name', verl's
+    custom_reward_function) as a scorer returning :class:`RewardResult`; None = :func:`builtin_score`
+    with ``boxed_match``. Raises ValueError naming the spec when the file, module or function cannot be
+    loaded."""
     if spec is None:
-        return builtin_score
+        return functools.partial(builtin_score, boxed_match=boxed_match)
     target, _, name = spec.rpartition(":")
     try:
         if target.endswith(".py"):
@@ -226,7 +236,7 @@ def load_score_fn(spec: str | None) -> ScoreFn:
             module = importlib.import_module(target)
         fn = getattr(module, name)
     except Exception as exc:
-        raise ValueError(f"reward.custom_function: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"reward.function: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
     return functools.partial(_call_user_fn, fn)
 
 

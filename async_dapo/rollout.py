@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from async_dapo.config import Config
-from async_dapo.data import PromptRow, train_rows
+from async_dapo.data import PromptRow, encode_prompt, train_rows
 from async_dapo.device import engine_dtype, pin_threads, resolve_device, seed_everything
 from async_dapo.reward import load_score_fn, overlong_penalty
 from async_dapo.wire import Group, OversizedMessage, Sample
@@ -116,7 +116,7 @@ class _Session:
         self._prompt_ids: dict[int, list[int]] = {}
         self.sender = None
         self.queue = None
-        self.score_fn = load_score_fn(cfg.reward.custom_function)
+        self.score_fn = load_score_fn(cfg.reward.function, cfg.reward.boxed_match)
         self.updates_started = 0  # a request aborted while this moved was aborted by our own update
         self.update_started_at: float | None = None  # monotonic time of the running update, if any
         # zmq sockets are not thread-safe and a send may block on the high-water mark: one sender thread.
@@ -224,8 +224,6 @@ class _Session:
 
     async def sample_group(self, group_id: str, epoch: int, index: int, admitted_version: int) -> Group:
         """G scored samples of prompt ``index`` as one group."""
-        from async_dapo.bootstrap import encode_prompt
-
         row = self.rows[index]
         if index not in self._prompt_ids:  # a prompt comes back every epoch: tokenize it once
             self._prompt_ids[index] = self._fit(encode_prompt(self.tokenizer, row), index)
@@ -243,18 +241,25 @@ class _Session:
         )
 
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
+        """One completion per prompt by the training path (:meth:`sample_once`): SGLang's output dicts."""
         return list(await asyncio.gather(*[self.sample_once(p, params) for p in prompts]))
 
-    async def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, float]:
-        """avg@k / pass@k / maj@k of ``rows`` under the weights the engine runs now."""
-        from async_dapo.bootstrap import encode_prompt
-        from async_dapo.evaluate import val_metrics
+    async def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, Any]:
+        """``k`` samples of each row by the same path as training groups (:meth:`sample_n`), scored by the
+        run's reward function: per-row (avg, pass, maj) scores (``evaluate.prompt_scores``), the generated
+        tokens, and the lowest and highest policy version any sampled token came from (weights may be
+        pushed while a validation runs: the learner does not wait for it)."""
+        from async_dapo.evaluate import prompt_scores
 
-        version = self.version
         prompts = [self._fit(encode_prompt(self.tokenizer, r), i) for i, r in enumerate(rows)]
         groups = await asyncio.gather(*[self.sample_n(p, params, k) for p in prompts])
         texts = [[self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in g] for g in groups]
-        return {**val_metrics(texts, rows), "val/version": float(version)}
+        versions = [token_versions(o["meta_info"].get("weight_versions"), len(o["output_ids"]), o["_start_version"])
+                    for g in groups for o in g]
+        low = min((int(v.min()) for v in versions if len(v)), default=self.version)
+        high = max((int(v.max()) for v in versions if len(v)), default=self.version)
+        return {"scores": prompt_scores(texts, rows, self.score_fn), "version_min": low, "version_max": high,
+                "gen_tokens": sum(len(v) for v in versions)}
 
     # ------------------------------------------------------------------ producer
     async def _emit(self, group_id: str, epoch: int, index: int, version: int) -> None:
@@ -479,8 +484,9 @@ class RolloutWorker:
         """Plain sampling for validation and tests (not admitted through the queue)."""
         return self._call(self.session.generate(prompts, params), self.session.cfg.logging.val_timeout_s)
 
-    def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, float]:
-        """Held-out avg@k / pass@k / maj@k with the validation sampling parameters."""
+    def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, Any]:
+        """This engine's share of a validation (see ``_Session.validate``; ``evaluate.merge_parts`` joins
+        the engines' shares)."""
         return self._call(self.session.validate(rows, k, params), self.session.cfg.logging.val_timeout_s)
 
     def num_running_requests(self) -> int:

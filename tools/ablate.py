@@ -261,7 +261,7 @@ def summarize(job: Job, n: int) -> tuple[dict, list[dict]] | None:
            "avg_at_k_end": curve[-1]["avg_at_k"], "gain_pt": 100 * (curve[-1]["avg_at_k"] - curve[0]["avg_at_k"]),
            "best_gain_pt": 100 * (max(c["avg_at_k"] for c in curve) - curve[0]["avg_at_k"]),
            # The first batches are the groups that finished first (short answers), so one step says little.
-           "truncated_first10": statistics.mean(steps[k]["response/clip_ratio"] for k in sorted(steps)[:10]),
+           "truncated_first10": statistics.mean(steps[k]["response_length/clip_ratio"] for k in sorted(steps)[:10]),
            "staleness_mean": statistics.mean(r["staleness/mean"] for r in steps.values()),
            "samples": curve[-1]["samples"], "wall_min": total["time/total_s"] / 60,
            "distinct_val": next(r["val/distinct_prompts"] for r in rows if "val/distinct_prompts" in r)}

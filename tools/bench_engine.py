@@ -8,11 +8,12 @@ import argparse
 import json
 import time
 
-from async_dapo.bootstrap import bootstrap, encode_prompt
+from async_dapo.bootstrap import bootstrap
+from async_dapo.data import encode_prompt
 from async_dapo.config import load_config
 from async_dapo.data import synthetic_rows
 from async_dapo.device import pin_threads
-from async_dapo.engine import sample_groups, start_engine
+from async_dapo.engine import start_engine
 
 
 def main() -> None:
@@ -37,13 +38,13 @@ def main() -> None:
     start_s = time.perf_counter() - t0
     params = {"temperature": 1.0, "max_new_tokens": args.tokens, "ignore_eos": True}
     try:
-        sample_groups(engine, prompts[:2], 1, params)  # first-call overheads out of the timing
+        engine.generate(input_ids=prompts[:2], sampling_params=params)  # first-call overheads out of the timing
         runs = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            groups = sample_groups(engine, prompts, 1, params)
+            outs = engine.generate(input_ids=prompts, sampling_params=params)  # the bare engine, one batch
             dt = time.perf_counter() - t
-            runs.append(sum(len(g[0].output_ids) for g in groups) / dt)
+            runs.append(sum(len(o["output_ids"]) for o in outs) / dt)
     finally:
         engine.shutdown()
     print(json.dumps({"engine_start_s": round(start_s, 1), "prompts": args.prompts, "new_tokens": args.tokens,

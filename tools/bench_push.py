@@ -60,7 +60,7 @@ def synthetic_groups(cfg, tokenizer, vocab_size: int, seed: int, min_response: i
     min_response..max_response_length tokens (the longest ones truncated), half of each group correct."""
     import numpy as np
 
-    from async_dapo.bootstrap import encode_prompt
+    from async_dapo.data import encode_prompt
     from async_dapo.data import train_rows
     from async_dapo.wire import Group, Sample
 

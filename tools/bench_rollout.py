@@ -34,7 +34,7 @@ import time
 def _prompt_stream(cfg, tok):
     """Prompt token ids in the replay queue's order (its cursor over train_rows), each cut as the actor
     cuts it (``_Session._fit``: left truncation keeps the last ``data.max_prompt_length`` tokens)."""
-    from async_dapo.bootstrap import encode_prompt
+    from async_dapo.data import encode_prompt
     from async_dapo.data import PromptCursor, train_rows
 
     rows = train_rows(cfg)

@@ -56,11 +56,13 @@ def run(name: str, rev_dir: Path | None, sets: list[str], args, index: int) -> d
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=args.run_timeout)
     if proc.returncode != 0:
         raise SystemExit(f"variant {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    steps = [r for r in rows if "perf/step_s" in r][args.warmup:]
+    from async_dapo.metrics import upgrade_row  # an older revision's rows carry the tags before the rename
+
+    rows = [upgrade_row(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in rows if "perf/time_per_step" in r][args.warmup:]
     total = next((r["time/total_s"] for r in rows if "time/total_s" in r), float("nan"))
     mean = lambda key: statistics.mean(r[key] for r in steps)  # noqa: E731
-    return {"step_s": mean("perf/step_s"), "wait_s": mean("perf/wait_data_s"),
+    return {"step_s": mean("perf/time_per_step"), "wait_s": mean("perf/wait_data_s"),
             "gen_tps": mean("perf/gen_tokens_per_s"), "total_s": total}
 
 

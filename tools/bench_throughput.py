@@ -75,11 +75,11 @@ def summarize(run_dir: Path, cfg, warmup: int) -> dict:
         raise SystemExit(f"{run_dir}: fewer than 2 steps after the warm-up: raise --steps")
     per_s = (len(steps) - 1) / (steps[-1]["time"] - steps[0]["time"])  # step records are written as steps end
     groups, n = cfg.algorithm.train_batch_groups, cfg.rollout.n
-    wall = sum(r["perf/step_s"] for r in steps)
-    weighted = lambda key: sum(r[key] * r["perf/step_s"] for r in steps) / wall  # noqa: E731
+    wall = sum(r["perf/time_per_step"] for r in steps)
+    weighted = lambda key: sum(r[key] * r["perf/time_per_step"] for r in steps) / wall  # noqa: E731
     pushes = [r["perf/weight_push_stall_s"] for r in steps if r["step"] % cfg.weight_sync.every_k_steps == 0]
     return {"steps_per_s": per_s, "samples_per_s": per_s * groups * n, "gen_tokens_per_s": weighted("perf/gen_tokens_per_s"),
-            "trained_tokens_per_s": per_s * groups * n * statistics.mean(r["response/length_mean"] for r in steps),
+            "trained_tokens_per_s": per_s * groups * n * statistics.mean(r["response_length/mean"] for r in steps),
             "learner_idle": sum(r["perf/wait_data_s"] for r in steps) / wall,
             "rollout_idle": weighted("perf/rollout_idle_ratio"),
             "staleness_mean": statistics.mean(r["staleness/mean"] for r in steps),

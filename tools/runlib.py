@@ -45,8 +45,12 @@ def run_train(config: str | Path, sets: list[str], log_path: Path, timeout_s: fl
 
 
 def records(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, under today's tags (an older run's renamed, see upgrade_row)."""
+    from async_dapo.metrics import upgrade_row
+
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [upgrade_row(r) for r in rows]
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -68,7 +72,7 @@ def check_reusable(run_dir: Path, config: str | Path, sets: list[str]) -> None:
 
 def step_records(rows: list[dict]) -> list[dict]:
     """The training-step records (one per step, in order), without validation or phase records."""
-    return [r for r in rows if "perf/step_s" in r]
+    return [r for r in rows if "perf/time_per_step" in r]
 
 
 def write_table(rows: list[dict], columns: list[str], md_path: Path | None, csv_path: Path | None,

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from async_dapo.bootstrap import EOS, bootstrap, encode_prompt
+from async_dapo.bootstrap import EOS, bootstrap
+from async_dapo.data import encode_prompt
 from async_dapo.config import load_config
 from async_dapo.data import synthetic_rows
 

@@ -1,5 +1,6 @@
-"""The real SGLang engine on CPU, with the bootstrapped tiny model: its sampled token logprobs must match
-a transformers forward pass of the same weights, and no stand-in kernel may ever be called.
+"""The real SGLang engine on CPU, with the bootstrapped tiny model, sampled through the rollout actor's one
+sampling path (the same as training groups, validation and eval): its token logprobs must match a
+transformers forward pass of the same weights, and no stand-in kernel may ever be called.
 
 Tolerance: both sides run the same fp32 weights, so the only differences are kernel order (SGLang's
 torch_native SDPA with a paged KV cache and incremental decode vs one full-sequence transformers
@@ -13,9 +14,7 @@ import os
 import pytest
 import torch
 
-from async_dapo.bootstrap import encode_prompt
-from async_dapo.data import synthetic_rows
-from async_dapo.engine import sample_groups, start_engine
+from async_dapo.data import encode_prompt, synthetic_rows
 
 pytestmark = pytest.mark.integration
 TOL = 2e-4
@@ -36,15 +35,17 @@ def test_sglang_cpu_logprobs_match_transformers(tiny_model, cpu_config, tmp_path
     tok = AutoTokenizer.from_pretrained(tiny_model)
     rows = synthetic_rows("val", 6, levels=[1, 2, 3, 4], heldout_fraction=0.1, seed=1)
     prompts = [encode_prompt(tok, r) for r in rows]
-    engine = start_engine(cpu_config.rollout.engine, tiny_model)
+    from async_dapo.rollout import RolloutWorker
+
+    worker = RolloutWorker(cpu_config.model_copy(update={"model": cpu_config.model.model_copy(
+        update={"path": tiny_model})}), 0)
+    temperature = 1.0
     try:
-        temperature = 1.0
-        groups = sample_groups(
-            engine, prompts, n=4,
-            sampling_params={"temperature": temperature, "max_new_tokens": 12, "top_p": 1.0},
-        )
+        outs = worker.generate([p for p in prompts for _ in range(4)],
+                               {"temperature": temperature, "max_new_tokens": 12, "top_p": 1.0})
     finally:
-        engine.shutdown()
+        worker.shutdown()
+    groups = [outs[i * 4:(i + 1) * 4] for i in range(len(prompts))]
 
     assert os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"  # the CPU path really was taken
     assert not shim_log.exists(), f"stand-in kernels were called: {shim_log.read_text()}"
@@ -53,11 +54,12 @@ def test_sglang_cpu_logprobs_match_transformers(tiny_model, cpu_config, tmp_path
     distinct = set()
     for prompt, group in zip(prompts, groups):
         assert len(group) == 4
-        for s in group:
-            assert len(s.output_ids) == len(s.logprobs) >= 1
-            ref = _transformers_logprobs(model, prompt, s.output_ids, temperature)
-            worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
-            distinct.add(tuple(s.output_ids))
+        for out in group:
+            ids, logprobs = out["output_ids"], [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]
+            assert len(ids) == len(logprobs) >= 1
+            ref = _transformers_logprobs(model, prompt, ids, temperature)
+            worst = max(worst, (ref - torch.tensor(logprobs)).abs().max().item())
+            distinct.add(tuple(ids))
     print(f"max |logprob diff| sglang vs transformers: {worst:.2e}")
     assert worst < TOL, f"max |logprob diff| {worst:.2e} >= {TOL}"
     # Sampling at temperature 1 from a partly trained model gives varied completions within groups.

@@ -113,7 +113,7 @@ def test_failing_groups_at_eta_0_are_abandoned_counted_and_the_run_finishes(tiny
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     flaky = REPO / "tests" / "faults" / "flaky_reward.py"
     cmd = _cmd(run_dir, "--set", "learner.total_steps=5", "--set", "replay.max_staleness=0",
-               "--set", f"reward.custom_function={flaky}:score")
+               "--set", f"reward.function={flaky}:score")
     done = subprocess.run(cmd, cwd=REPO, timeout=900, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _train_rows(run_dir)

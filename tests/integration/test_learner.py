@@ -160,7 +160,7 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from async_dapo.bootstrap import encode_prompt
+    from async_dapo.data import encode_prompt
     from async_dapo.config import dump_config
     from async_dapo.data import train_rows
     from async_dapo.learner import WEIGHT_GROUP
@@ -206,16 +206,17 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
     # started in the pytest process leaves SGLang's child watchdog there, which ends pytest when any
     # later test's subprocess exits.
     script = ("import json, sys; from async_dapo.config import load_config; "
-              "from async_dapo.engine import sample_groups, start_engine\n"
+              "from async_dapo.rollout import RolloutWorker\n"
               "if __name__ == '__main__':\n"
-              "    cfg = load_config(sys.argv[1]); prompts = json.loads(sys.argv[3])\n"
-              "    fresh = start_engine(cfg.rollout.engine, sys.argv[2])\n"
-              "    try: groups = sample_groups(fresh, prompts, 2, {'temperature': 1.0, 'max_new_tokens': 4})\n"
+              "    cfg = load_config(sys.argv[1]); prompts = json.loads(sys.argv[2])\n"
+              "    fresh = RolloutWorker(cfg, 0)\n"
+              "    try: outs = fresh.generate(prompts * 2, {'temperature': 1.0, 'max_new_tokens': 4})\n"
               "    finally: fresh.shutdown()\n"
-              "    print(json.dumps([[len(s.output_ids) for s in g] for g in groups]))\n")
-    dump_config(cfg, tmp_path / "cfg.yaml")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cfg.yaml"), str(export),
-                           json.dumps(prompts[:2])], capture_output=True, text=True, timeout=600)
+              "    print(json.dumps([[len(o['output_ids']) for o in outs[i::len(prompts)]] for i in range(len(prompts))]))\n")
+    dump_config(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": export, "bootstrap": None})}),
+                tmp_path / "cfg.yaml")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cfg.yaml"), json.dumps(prompts[:2])],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lengths = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(lengths) == 2 and all(n >= 1 for g in lengths for n in g)

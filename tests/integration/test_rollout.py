@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from async_dapo.bootstrap import encode_prompt
+from async_dapo.data import encode_prompt
 from async_dapo.config import load_config
 from async_dapo.data import train_rows
 from async_dapo.weight_sync import broadcast_bucket, free_port, open_update_group, plan_buckets

@@ -17,12 +17,14 @@ from tests.conftest import CPU_CONFIG, REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REQUIRED_TAGS = """reward/mean reward/acc_mean response/length_mean response/length_max response/clip_ratio
-actor/entropy actor/token_prob_mean actor/pg_clipfrac_upper actor/pg_clipfrac_lower actor/ppo_kl actor/grad_norm
-actor/is_weight_mean actor/is_weight_max actor/rollout_logprob_abs_diff staleness/mean staleness/max queue/depth
+REQUIRED_TAGS = """critic/score/mean critic/rewards/mean critic/advantages/mean reward/acc_mean response_length/mean
+response_length/max response_length/clip_ratio prompt_length/mean actor/entropy actor/token_prob_mean actor/pg_clipfrac
+actor/pg_clipfrac_upper actor/pg_clipfrac_low_side actor/pg_clipfrac_lower actor/ppo_kl actor/grad_norm actor/grad_norm_max actor/pg_loss
+actor/lr actor/is_weight_mean actor/is_weight_max actor/rollout_logprob_abs_diff staleness/mean staleness/max queue/depth
 queue/dropped_all_correct queue/dropped_all_wrong queue/dropped_stale queue/rejected_malformed
-perf/gen_tokens_per_s perf/train_tokens_per_s perf/step_s perf/wait_data_s perf/weight_push_s perf/weight_push_stall_s
-perf/learner_idle_ratio perf/rollout_idle_ratio train/version val/avg_at_k val/pass_at_k val/maj_at_k""".split()
+perf/gen_tokens_per_s perf/train_tokens_per_s perf/time_per_step perf/total_num_tokens perf/wait_data_s perf/weight_push_s
+perf/weight_push_stall_s perf/learner_idle_ratio perf/rollout_idle_ratio train/version val/avg_at_k val/pass_at_k
+val/maj_at_k""".split()
 ETA = 1
 
 
@@ -48,10 +50,22 @@ def test_async_run_end_to_end(tiny_model, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    subprocess.run(_train_cmd(run_dir, "--set", "learner.total_steps=4", "--set", "logging.val_every_steps=4"),
+    # A validation of 600 distinct problems x 32 samples (many steps' worth of generation) at steps 0, 2, 4:
+    # the learner must not wait for it. (With 8 samples a validation sometimes ended within one step.)
+    subprocess.run(_train_cmd(run_dir, "--set", "learner.total_steps=4", "--set", "logging.val_every_steps=2",
+                              "--set", "logging.val_prompts=600", "--set", "logging.val_n=32"),
                    check=True, cwd=REPO, timeout=900)
     steps = _steps(run_dir)
     assert [m["train/version"] for m in steps] == [1.0, 2.0, 3.0, 4.0]  # versions advance
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = {r["step"]: (i, r) for i, r in enumerate(rows) if "val/avg_at_k" in r}
+    trained = {int(r["train/version"]): i for i, r in enumerate(rows) if "train/version" in r}
+    assert sorted(vals) == [0, 2, 4]  # val_before_train, every 2 steps and the last
+    # Validation off the critical path: the validation started at step 0 (or 2) was logged only after the
+    # learner had trained the next step, and it reports the policy versions that produced its samples.
+    assert any(trained[s + 1] < i for s, (i, _) in vals.items() if s + 1 in trained), [r.get("step") for r in rows]
+    for s, (_, r) in vals.items():
+        assert s <= r["val/version"] <= r["val/version_max"] and r["val/distinct_prompts"] == 600
     assert all(m["staleness/max"] <= ETA for m in steps)  # every trained group within eta
     assert max(m["staleness/max"] for m in steps) >= 1  # and the run really overlapped
     last = steps[-1]

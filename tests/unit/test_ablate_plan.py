@@ -108,7 +108,7 @@ def test_cluster_submission_runs_each_unfinished_run_once_within_max_jobs(tmp_pa
     args, jobs = _cluster(tmp_path, monkeypatch, client)
     done = jobs[0].run_dir  # finished earlier with this config: its metrics reach the last step, then the end
     done.mkdir(parents=True)
-    (done / "metrics.jsonl").write_text(json.dumps({"step": 80, "perf/step_s": 1.0}) + "\n"
+    (done / "metrics.jsonl").write_text(json.dumps({"step": 80, "perf/time_per_step": 1.0}) + "\n"
                                         + json.dumps({"step": 80, "time/total_s": 1.0}) + "\n")
     dump_config(load_config(CONFIG, jobs[0].sets), done / "config.yaml")
     ablate.run_cluster(args, jobs)
@@ -135,7 +135,7 @@ def test_cluster_rerun_adopts_a_running_job_and_retries_a_failed_one(tmp_path, m
 
 def test_a_finished_run_with_another_config_is_not_reused(tmp_path, monkeypatch):
     args, jobs = _cluster(tmp_path, monkeypatch, _Client("x"))
-    done = jobs[0].run_dir
+    done = jobs[0].run_dir  # a run written before the verl renames (perf/step_s): still read as a step row
     done.mkdir(parents=True)
     (done / "metrics.jsonl").write_text(json.dumps({"step": 80, "perf/step_s": 1.0}) + "\n"
                                         + json.dumps({"step": 80, "time/total_s": 1.0}) + "\n")

@@ -86,26 +86,72 @@ def test_cli_exits_nonzero_naming_the_key():
     assert proc.stderr.strip().splitlines()[-1].startswith("error: no.such.key: unknown key")
 
 
-@pytest.mark.parametrize("name", ["tiny_cpu.yaml", "dapo_qwen2.5_32b_16x8.yaml", "qwen2.5_7b_1x8.yaml"])
+SHIPPED = ["tiny_cpu.yaml", "dapo_qwen2.5_32b_16x8.yaml", "dapo_qwen2.5_32b_16x8_async.yaml", "qwen2.5_7b_1x8.yaml"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_validate(name):
     cfg = load_config(CPU_CONFIG.parent / name)
     gpus = (cfg.placement.num_engines * cfg.placement.engine_gpus
             + cfg.placement.learner_ranks * cfg.placement.learner_gpus)
-    if name.startswith("dapo_qwen2.5_32b"):
-        # The paper's recipe, numbers from anchors.md section 1.
-        a, lc, r = cfg.algorithm, cfg.learner, cfg.rollout
-        assert (a.train_batch_groups, r.n, lc.mini_batch_groups) == (512, 16, 32)
-        assert (a.clip_low, a.clip_high, lc.lr, lc.weight_decay, lc.grad_clip) == (0.2, 0.28, 1e-6, 0.1, 1.0)
-        assert (cfg.data.max_prompt_length, r.max_response_length, cfg.reward.overlong_buffer_length) == \
-            (2048, 20480, 4096)
-        assert cfg.logging.val_top_p == 0.7 and cfg.logging.val_n == 32 and gpus == 128
-        # 16 nodes: the multi-node rules hold (they are checked at load, this only names the values).
-        assert cfg.placement.nnodes == 16 and cfg.logging.run_dir.is_absolute()
-        assert cfg.learner.warmup_steps == 10  # verl's lr_warmup_steps, in training steps
     if name.startswith("qwen2.5_7b"):
         assert gpus == 8
     if cfg.placement.engine_gpus:
         assert cfg.placement.engine_gpus == cfg.rollout.engine.tp_size
+
+
+@pytest.mark.parametrize("name", ["dapo_qwen2.5_32b_16x8.yaml", "dapo_qwen2.5_32b_16x8_async.yaml"])
+def test_32b_configs_hold_every_hyper_parameter_of_the_papers_recipe(name):
+    """anchors.md section 1 and verl-recipe dapo/run_dapo_qwen2.5_32b.sh, key by key."""
+    cfg = load_config(CPU_CONFIG.parent / name)
+    a, lc, r, rw, lg = cfg.algorithm, cfg.learner, cfg.rollout, cfg.reward, cfg.logging
+    assert (a.train_batch_groups, r.n, lc.mini_batch_groups, lc.epochs) == (512, 16, 32, 1)
+    assert (lc.lr, lc.warmup_steps, lc.weight_decay, lc.grad_clip, lc.betas) == (1e-6, 10, 0.1, 1.0, (0.9, 0.999))
+    assert (a.clip_low, a.clip_high, a.clip_c, a.loss_agg_mode, a.scale_adv_by_std) == \
+        (0.2, 0.28, 10.0, "token-mean", True)
+    assert (a.dynamic_sampling.enable, a.dynamic_sampling.max_gen_rounds, a.overlong_filtering) == (True, 10, False)
+    assert (cfg.data.max_prompt_length, cfg.data.truncation, r.max_response_length) == (2048, "left", 20480)
+    assert (rw.overlong_buffer_enable, rw.overlong_buffer_length, rw.overlong_penalty_factor, rw.function) == \
+        (True, 4096, 1.0, None)  # the built-in math_dapo reward
+    assert (r.temperature, r.top_p, r.top_k) == (1.0, 1.0, -1)
+    assert (lg.val_temperature, lg.val_top_p, lg.val_n, lg.val_prompts, lg.val_before_train) == (1.0, 0.7, 32, 30, True)
+    assert (lg.val_every_steps, cfg.checkpoint.every_steps) == (5, 5)  # test_freq, save_freq
+    assert cfg.placement.nnodes == 16 and cfg.logging.run_dir.is_absolute()
+    assert cfg.placement.num_engines * cfg.placement.engine_gpus + cfg.placement.learner_ranks == 128
+    assert (cfg.rollout.engine.tp_size, cfg.learner.param_dtype) == (4, "bfloat16")
+
+
+def test_the_32b_recipe_is_synchronous_and_its_async_sibling_lists_every_difference():
+    sync = load_config(CPU_CONFIG.parent / "dapo_qwen2.5_32b_16x8.yaml")
+    assert (sync.replay.max_staleness, sync.algorithm.correction.mode) == (0, "none")
+
+    def flat(tree, prefix=""):
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return out
+
+    path = CPU_CONFIG.parent / "dapo_qwen2.5_32b_16x8_async.yaml"
+    a, b = flat(sync.model_dump(mode="json")), flat(load_config(path).model_dump(mode="json"))
+    differ = {k for k in a if a[k] != b[k]}
+    assert differ == {"replay.max_staleness", "algorithm.correction.mode", "rollout.update_mode",
+                      "rollout.max_inflight_prompts"}
+    header = path.read_text().split("\nmodel:")[0]
+    for key in differ:
+        assert f"#   {key}: {b[key]}" in header, key  # the header names the key and its value
+
+
+def test_aime_shaped_validation_file_gives_all_30_problems(tmp_path):
+    """verl's AIME-2024 parquet repeats each of its 30 problems 32 times: with val_prompts = 30 the run must
+    validate all 30 distinct problems (deduplicated at load, then n = val_n samples each), not the first 30
+    rows (one problem)."""
+    from async_dapo.data import synthetic_rows, val_rows, write_rows
+
+    problems = synthetic_rows("val", 30, levels=[3], heldout_fraction=0.5, seed=0)
+    path = tmp_path / "aime.parquet"
+    write_rows([p for p in problems for _ in range(32)], path)
+    cfg = load_config(CPU_CONFIG.parent / "dapo_qwen2.5_32b_16x8.yaml", [f"data.val={path}"])
+    assert val_rows(cfg) == problems
 
 
 # ----------------------------------------------------------------------------- cross-field rules

@@ -3,7 +3,13 @@
 import pytest
 
 from async_dapo.data import Message, PromptRow, RewardSpec
-from async_dapo.evaluate import val_metrics
+from async_dapo.evaluate import merge_parts, prompt_scores, split_rows
+from async_dapo.evaluate import val_metrics as _val_metrics
+from async_dapo.reward import RewardResult
+
+
+def val_metrics(texts, rows):
+    return _val_metrics(prompt_scores(texts, rows), rows)
 
 
 def test_scores_hand_computed():
@@ -71,3 +77,24 @@ def test_distinct_prompts_counts_prompts_not_rows():
     texts = [["Answer: 1"]] * 4
     rows = [_row("1", q="a"), _row("1", q="b"), _row("1", q="a"), _row("1", q="c")]
     assert val_metrics(texts, rows)["val/distinct_prompts"] == 3.0
+
+
+def test_engines_shares_merge_back_in_row_order_with_the_version_range():
+    rows = [_row("7", q="a"), _row("5", q="b"), _row("4", q="c")]
+    texts = [["Answer: 7", "x"], ["Answer: 5", "Answer: 5"], ["x", "y"]]
+    parts = split_rows(rows, 2)
+    assert parts == [[0, 2], [1]]
+    shares = [{"scores": prompt_scores([texts[i] for i in idx], [rows[i] for i in idx]), "gen_tokens": 3,
+               "version_min": v0, "version_max": v1} for idx, (v0, v1) in zip(parts, [(4, 5), (4, 4)])]
+    m = merge_parts(parts, shares, rows)
+    assert m["val/avg_at_k"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)  # the rows' own order, not the engines'
+    assert (m["val/version"], m["val/version_max"], m["val/gen_tokens"]) == (4.0, 5.0, 6.0)
+    assert m == {**val_metrics(texts, rows), "val/version": 4.0, "val/version_max": 5.0, "val/gen_tokens": 6.0}
+
+
+def test_validation_scores_with_the_runs_reward_function():
+    def length_reward(data_source, solution, ground_truth, extra_info):  # a user's: no pred reported
+        return RewardResult(score=1.0, acc=len(solution) == int(ground_truth), pred="")
+
+    scores = prompt_scores([["abc", "ab", "abc"]], [_row("3", q="a")], length_reward)
+    assert scores == [(2 / 3, 1.0, 0.0)]  # no pred: no majority vote

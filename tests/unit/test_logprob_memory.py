@@ -11,7 +11,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import bench_logprob_memory  # noqa: E402
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in kB on Linux only")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux only)")
 def test_chunked_logprobs_peak_memory_is_a_fraction_of_the_full_vocabulary_path():
     # 256 MiB of fp32 logits (V = 32768); chunks of 128 positions are 16 MiB of fp32 each.
     result = bench_logprob_memory.measure((2, 1024, 32768), temperature=0.7, chunk_tokens=128)

@@ -55,7 +55,8 @@ def test_unclipped_token_loss_and_gradient() -> None:
     loss, grad, metrics = one_token_loss(1.1, 2.0)
     assert loss == pytest.approx(-2.2, abs=1e-12)
     assert grad == pytest.approx(-2.2, abs=1e-12)
-    assert metrics["pg_clipfrac_upper"] == 0.0 and metrics["pg_clipfrac_lower"] == 0.0
+    assert metrics["pg_clipfrac_upper"] == 0.0 and metrics["pg_clipfrac_low_side"] == 0.0
+    assert metrics["pg_clipfrac"] == 0.0 and metrics["pg_clipfrac_lower"] == 0.0
 
 
 def test_clip_upper_for_positive_advantage() -> None:
@@ -63,7 +64,8 @@ def test_clip_upper_for_positive_advantage() -> None:
     loss, grad, metrics = one_token_loss(1.5, 1.0)
     assert loss == pytest.approx(-1.28, abs=1e-12)
     assert grad == 0.0
-    assert metrics["pg_clipfrac_upper"] == 1.0 and metrics["pg_clipfrac_lower"] == 0.0
+    assert metrics["pg_clipfrac_upper"] == 1.0 and metrics["pg_clipfrac_low_side"] == 0.0
+    assert metrics["pg_clipfrac"] == 1.0  # verl's: the clipped term is taken
 
 
 def test_high_ratio_negative_advantage_is_not_clipped() -> None:
@@ -72,7 +74,8 @@ def test_high_ratio_negative_advantage_is_not_clipped() -> None:
     loss, grad, metrics = one_token_loss(1.5, -1.0)
     assert loss == pytest.approx(1.5, abs=1e-12)
     assert grad == pytest.approx(1.5, abs=1e-12)
-    assert metrics["pg_clipfrac_upper"] == 0.0 and metrics["pg_clipfrac_lower"] == 0.0
+    assert metrics["pg_clipfrac_upper"] == 0.0 and metrics["pg_clipfrac_low_side"] == 0.0
+    assert metrics["pg_clipfrac"] == 0.0  # -A * clip(r) = 1.28 < -A * r = 1.5: not taken
 
 
 def test_clip_lower_for_negative_advantage() -> None:
@@ -80,7 +83,9 @@ def test_clip_lower_for_negative_advantage() -> None:
     loss, grad, metrics = one_token_loss(0.5, -1.0)
     assert loss == pytest.approx(0.8, abs=1e-12)
     assert grad == 0.0
-    assert metrics["pg_clipfrac_lower"] == 1.0 and metrics["pg_clipfrac_upper"] == 0.0
+    assert metrics["pg_clipfrac_low_side"] == 1.0 and metrics["pg_clipfrac_upper"] == 0.0
+    # verl's pg_clipfrac counts it (0.8 > 0.5); its pg_clipfrac_lower is the dual clip: not here.
+    assert metrics["pg_clipfrac"] == 1.0 and metrics["pg_clipfrac_lower"] == 0.0
 
 
 def test_low_ratio_positive_advantage_is_not_clipped() -> None:
@@ -103,22 +108,23 @@ def test_dual_clip_bounds_negative_advantage_tokens() -> None:
     loss, grad, metrics = one_token_loss(5.0, -1.0, clip_c=3.0)
     assert loss == pytest.approx(3.0, abs=1e-12)
     assert grad == 0.0
-    assert metrics["dual_clipfrac"] == 1.0
+    assert metrics["pg_clipfrac_lower"] == 1.0  # verl's name: the dual-clip fraction
+    assert metrics["pg_clipfrac"] == 0.0  # the standard clip is not taken (1.28 < 5)
     # Without clip_c the same token costs 5 and is not reported as dual-clipped.
     loss, grad, metrics = one_token_loss(5.0, -1.0)
     assert loss == pytest.approx(5.0, abs=1e-12)
     assert grad == pytest.approx(5.0, abs=1e-12)
-    assert "dual_clipfrac" not in metrics
+    assert metrics["pg_clipfrac_lower"] == 0.0
 
 
 def test_dual_clip_inactive_below_c_and_for_positive_advantage() -> None:
     # ratio 2 < c = 3, A = -1: loss 2 (unclipped), gradient 2.
     loss, grad, metrics = one_token_loss(2.0, -1.0, clip_c=3.0)
-    assert (loss, grad, metrics["dual_clipfrac"]) == pytest.approx((2.0, 2.0, 0.0), abs=1e-12)
+    assert (loss, grad, metrics["pg_clipfrac_lower"]) == pytest.approx((2.0, 2.0, 0.0), abs=1e-12)
     # ratio 5, A = +1: dual clip never applies to A > 0; upper clip gives -1.28.
     loss, _, metrics = one_token_loss(5.0, 1.0, clip_c=3.0)
     assert loss == pytest.approx(-1.28, abs=1e-12)
-    assert metrics["dual_clipfrac"] == 0.0
+    assert metrics["pg_clipfrac_lower"] == 0.0
 
 
 def test_all_branches_in_one_batch_with_metrics() -> None:
@@ -136,14 +142,87 @@ def test_all_branches_in_one_batch_with_metrics() -> None:
     assert_values(logprobs.grad, [[-0.55, 0.0, 0.0, 0.0, 0.0]], 1e-12)
     # 1 of 4 valid tokens in each clip class; the masked ratio e^10 is ignored.
     assert float(metrics["pg_clipfrac_upper"]) == 0.25
-    assert float(metrics["pg_clipfrac_lower"]) == 0.25
-    assert float(metrics["dual_clipfrac"]) == 0.25
+    assert float(metrics["pg_clipfrac_low_side"]) == 0.25
+    assert float(metrics["pg_clipfrac_lower"]) == 0.25  # the dual clip
+    assert float(metrics["pg_clipfrac"]) == 0.5  # upper + low side
     # ppo_kl = mean(old - new) = -(ln 1.1 + ln 1.5 + ln 0.5 + ln 5) / 4 = -ln(4.125) / 4.
     assert float(metrics["ppo_kl"]) == pytest.approx(-ln(4.125) / 4, abs=1e-12)
     # ratio mean (1.1 + 1.5 + 0.5 + 5) / 4 = 2.025, max 5.
     assert float(metrics["ratio_mean"]) == pytest.approx(2.025, abs=1e-12)
     assert float(metrics["ratio_max"]) == pytest.approx(5.0, abs=1e-12)
     assert all(not v.requires_grad and v.dim() == 0 for v in metrics.values())
+
+
+def test_clip_fractions_in_verls_sense_hand_computed() -> None:
+    # Two rows, ratio r and advantage A per token, eps_low 0.2, eps_high 0.28, c = 3:
+    #   row 0: (1.5, +1) upper clip taken: -A*clip(r) = -1.28 > -A*r = -1.5          loss -1.28
+    #          (0.5, -1) lower clip taken: 0.8 > 0.5                                loss  0.8
+    #          (5.0, -2) standard clip not taken (2.56 < 10); dual: max(10, 2.56) = 10
+    #                    > -A*c = 6, so the dual clip is taken                      loss  6
+    #          (2.0, -1) neither: max(2, 1.28) = 2 < 3                              loss  2
+    #   row 1: (1.1, +2) inside the clip range                                      loss -2.2
+    #          (0.5, +1) not clipped: -0.8 < -0.5 (the pessimistic max keeps -A*r)   loss -0.5
+    #          (1.5,  0) A = 0: both terms 0, nothing is "taken", not A < 0          loss  0
+    #          masked (r = e^10, A = -1): would be dual-clipped, must not count.
+    # 7 valid tokens: pg_clipfrac (verl) = 2/7, pg_clipfrac_lower (verl: dual) = 1/7,
+    # pg_clipfrac_upper = 1/7, pg_clipfrac_low_side = 1/7; loss = 4.82 / 7.
+    logprobs = t([[ln(1.5), ln(0.5), ln(5.0), ln(2.0)], [ln(1.1), ln(0.5), ln(1.5), 10.0]])
+    advantages = t([[1.0, -1.0, -2.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
+    mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    old = torch.zeros(2, 4, dtype=F64)
+    loss, metrics = policy_loss(logprobs, old, advantages, mask, clip_c=3.0)
+    got = {k: float(v) for k, v in metrics.items()}
+    assert got["pg_clipfrac"] == pytest.approx(2 / 7, abs=1e-7)
+    assert got["pg_clipfrac_lower"] == pytest.approx(1 / 7, abs=1e-7)
+    assert got["pg_clipfrac_upper"] == pytest.approx(1 / 7, abs=1e-7)
+    assert got["pg_clipfrac_low_side"] == pytest.approx(1 / 7, abs=1e-7)
+    assert loss.item() == pytest.approx(4.82 / 7, abs=1e-12)
+    # ppo_kl = -(sum of the valid log ratios) / 7 = -ln(1.5 * 0.5 * 5 * 2 * 1.1 * 0.5 * 1.5) / 7.
+    assert got["ppo_kl"] == pytest.approx(-ln(6.1875) / 7, abs=1e-12)
+    # Without clip_c there is no dual clip: the (5.0, -2) token costs 10 and nothing is dual-clipped.
+    loss, metrics = policy_loss(logprobs, old, advantages, mask)
+    assert float(metrics["pg_clipfrac_lower"]) == 0.0
+    assert float(metrics["pg_clipfrac"]) == pytest.approx(2 / 7, abs=1e-7)
+    assert loss.item() == pytest.approx(8.82 / 7, abs=1e-12)
+
+
+def _verl_clip_metrics(old, new, adv, mask, clip_low, clip_high, clip_c):
+    """verl's ``compute_policy_loss_vanilla`` metric lines (verl/trainer/ppo/core_algos.py), transcribed:
+    the reference our verl-named keys must reproduce."""
+
+    def verl_masked_mean(values, m):  # verl.utils.torch_functional.masked_mean
+        return (values * m).sum() / (m.sum() + 1e-8)
+
+    m = mask.to(F64)
+    negative_approx_kl = torch.clamp(new - old, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = verl_masked_mean(-negative_approx_kl, m)
+    pg_losses1 = -adv * ratio
+    pg_losses2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = verl_masked_mean(torch.gt(pg_losses2, pg_losses1).float(), m)
+    pg_losses3 = -adv * clip_c
+    pg_clipfrac_lower = verl_masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (adv < 0).float(), m)
+    return {"pg_clipfrac": pg_clipfrac, "pg_clipfrac_lower": pg_clipfrac_lower, "ppo_kl": ppo_kl}
+
+
+@pytest.mark.parametrize("clip_low,clip_high,clip_c", [(0.2, 0.28, 3.0), (0.2, 0.2, 1.5), (0.1, 2.5, 10.0)])
+def test_verl_named_clip_metrics_match_verls_formulas(clip_low, clip_high, clip_c) -> None:
+    gen = torch.Generator().manual_seed(7)
+    old = -torch.rand(8, 16, generator=gen, dtype=F64) * 3
+    new = old + torch.randn(8, 16, generator=gen, dtype=F64) * 1.5  # ratios from ~0.01 to ~100
+    adv = torch.randn(8, 1, generator=gen, dtype=F64).expand(8, 16).contiguous()
+    adv[0] = 0.0  # a row with no signal
+    mask = torch.rand(8, 16, generator=gen) < 0.8
+    _, ours = policy_loss(new, old, adv, mask, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
+    verl = _verl_clip_metrics(old, new, adv, mask, clip_low, clip_high, clip_c)
+    # Fractions are float32 means (as verl's .float()): 1e-6 is far below one token in ~100 (0.01).
+    for key, value in verl.items():
+        assert float(value) != 0, key  # the batch exercises every branch
+        assert float(ours[key]) == pytest.approx(float(value), abs=1e-6), key
+    # verl's either-side fraction is our two sides together.
+    sides = float(ours["pg_clipfrac_upper"]) + float(ours["pg_clipfrac_low_side"])
+    assert float(ours["pg_clipfrac"]) == pytest.approx(sides, abs=1e-6)
 
 
 def test_is_weights_multiply_after_clipping() -> None:
@@ -248,7 +327,7 @@ def _full_gradient(agg: str) -> torch.Tensor:
     loss, metrics = policy_loss(leaf, old, advantages, mask, agg=agg)
     loss.backward()
     # The batch really exercises clipping, otherwise the test would prove less.
-    assert float(metrics["pg_clipfrac_upper"]) + float(metrics["pg_clipfrac_lower"]) > 0
+    assert float(metrics["pg_clipfrac"]) > 0
     return leaf.grad
 
 

@@ -17,6 +17,7 @@ from async_dapo.config import load_config  # noqa: E402
 
 CONFIGS = {
     "configs/dapo_qwen2.5_32b_16x8.yaml": "Qwen2.5-32B",
+    "configs/dapo_qwen2.5_32b_16x8_async.yaml": "Qwen2.5-32B",
     "configs/qwen2.5_7b_1x8.yaml": "Qwen2.5-7B",
 }
 
@@ -126,7 +127,7 @@ def test_engine_kv_capacity_32b_on_80gb_by_hand():
     # minus 1 GiB context and 1 GiB TP communicator: 54,163,266,662 B / 65,536 B = 826,465 tokens
     assert e["kv_tokens"] == 826_465
     assert e["full_length_seqs"] == 826_465 // 22_528 == 36
-    assert e["concurrent_seqs"] == 64 * 16
+    assert e["concurrent_seqs"] == 32 * 16  # the synchronous recipe: 512 prompts over 16 engines, n = 16
 
 
 @pytest.mark.parametrize("path", CONFIGS)

@@ -128,9 +128,28 @@ def test_answer_line(response: str, truth: str, acc: bool, pred: str) -> None:
 
 
 @pytest.mark.parametrize(("response", "truth", "acc", "pred"), BOXED_FALLBACK_CASES)
-def test_boxed_fallback(response: str, truth: str, acc: bool, pred: str) -> None:
-    result = dapo_math_score(response, truth)
+def test_boxed_fallback_normalized_switch(response: str, truth: str, acc: bool, pred: str) -> None:
+    result = dapo_math_score(response, truth, boxed_match="normalized")
     assert result == RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
+
+
+@pytest.mark.parametrize(("response", "truth", "acc", "pred"), [
+    ("The answer is \\boxed{ 3 }", "3", False, " 3 "),  # the example: not +1 by default
+    ("The answer is \\boxed{3}", "3", True, "3"),
+    ("\\boxed{x=5}", "5", False, "x=5"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True, "\\frac{1}{2}"),
+    ("\\boxed{41} then \\boxed{4", "41", False, INVALID_PRED),
+    ("\\boxed{4}\nAnswer:  3", "3", True, "3"),  # an Answer line still decides first, normalised as in verl
+])
+def test_boxed_fallback_is_exact_by_default(response: str, truth: str, acc: bool, pred: str) -> None:
+    assert dapo_math_score(response, truth) == RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
+
+
+def test_configured_boxed_match_reaches_the_builtin_reward() -> None:
+    from async_dapo.reward import load_score_fn
+
+    exact, normalized = load_score_fn(None), load_score_fn(None, "normalized")
+    assert not exact("d", "so \\boxed{ 3 }", "3", {}).acc and normalized("d", "so \\boxed{ 3 }", "3", {}).acc
 
 
 def test_only_last_300_characters_count() -> None:

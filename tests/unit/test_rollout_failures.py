@@ -120,7 +120,7 @@ def test_unanswered_request_times_out_and_is_aborted():
 def test_reward_exception_fails_the_group_as_score_error(tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def score(ds, sol, gt, extra):\n    raise KeyError('boom')\n")
-    s = _session(["ok"], f"reward.custom_function={bad}:score")
+    s = _session(["ok"], f"reward.function={bad}:score")
     row = synthetic_rows("train", 1, levels=[1], heldout_fraction=0.1, seed=0)[0]
 
     class Tok:
@@ -133,6 +133,33 @@ def test_reward_exception_fails_the_group_as_score_error(tmp_path):
     with pytest.raises(GroupFailed) as err:
         s._score(row, out)
     assert err.value.reason == "score_error" and "boom" in str(err.value)
+
+
+def test_a_users_reward_function_scores_the_samples(tmp_path):
+    """reward.function as a verl user writes it: compute_score(data_source, solution_str, ground_truth,
+    extra_info) returning verl's dict; the sample carries its score and acc (+ the overlong penalty)."""
+    user = tmp_path / "my_reward.py"
+    user.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    ok = solution_str.strip().endswith(ground_truth) and extra_info['split'] == 'train'\n"
+                    "    return {'score': 0.5 if ok else -0.5, 'acc': ok, 'pred': solution_str[-1:]}\n")
+    s = _session(["ok"], f"reward.function={user}:compute_score", "reward.overlong_buffer_enable=false")
+    row = synthetic_rows("train", 1, levels=[1], heldout_fraction=0.1, seed=0)[0]
+
+    class Tok:
+        def __init__(self, text):
+            self.text = text
+
+        def decode(self, ids, skip_special_tokens=True):
+            return self.text
+
+    out = {"output_ids": [5], "_start_version": 0, "_seconds": 0.1,
+           "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [(-0.1, 5)]}}
+    s.tokenizer = Tok(f"so it is {row.ground_truth}")
+    right = s._score(row, out)
+    s.tokenizer = Tok("no idea")
+    wrong = s._score(row, out)
+    assert (right.score, right.reward, right.acc) == (0.5, 0.5, True)
+    assert (wrong.score, wrong.reward, wrong.acc) == (-0.5, -0.5, False)
 
 
 def test_prompt_truncation_follows_the_config():
