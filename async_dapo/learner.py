@@ -393,7 +393,7 @@ class LearnerWorker:
                     stream.synchronize()  # this thread only: the training stream never waits for it
             engine_s = self._engines_loaded(refs, replay, version)
             state.update(push_s=time.perf_counter() - t0, bytes=sent, engine_s=engine_s, error="")
-        except Exception as exc:  # surfaced by wait_push / the next push: a failed push fails the run loudly
+        except Exception as exc:  # surfaced by wait_push: a failed push fails the run loudly
             state.update(error=repr(exc))
 
     def _gather_and_broadcast(self, buckets: list[Bucket], shards: dict[str, torch.Tensor]) -> int:
@@ -420,6 +420,8 @@ class LearnerWorker:
         local = torch.cat([p.reshape(-1) for p in parts])
         gathered = local.new_empty(self.world * local.numel())  # rank after rank
         dist.all_gather_into_tensor(gathered, local, group=self._gather_pg)
+        if self.rank != 0:  # only rank 0 sends: the others take part in the gather and need nothing back
+            return []
         return unpad(gathered.view(self.world, -1), self.world, [tuple(s) for s in shapes])
 
     def _engines_loaded(self, refs: list, replay, version: int) -> float:
