@@ -406,7 +406,7 @@ class LearnerWorker:
             if self.rank != 0 or self._weight_pg is None:
                 continue
             flat = flatten(tensors).to(self.device)
-            if pending is not None:
+            if pending is not None:  # Work.wait is bounded by the weight group's timeout (weight_sync.timeout_s)
                 pending[0].wait()
             pending = (dist.broadcast(flat, src=0, group=self._weight_pg, async_op=True), flat)
             sent += flat.numel()
