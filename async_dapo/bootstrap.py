@@ -206,9 +206,9 @@ def untrained(cfg: Config) -> tuple[Any, Any, list[PromptRow]]:
 
 class TargetCheck:
     """``after_step`` of the warm start: every ``sft_check_every`` steps, greedy accuracy on the training
-    problems of the target level (at most ``eval_prompts``, distinct). Once that reaches
-    ``sft_target_accuracy``, every other configured level is measured too, and the check says stop (True)
-    when each has at least ``sft_level_floor``. Training problems, not held-out ones: the stop never peeks at
+    problems of the target level (at most ``eval_prompts``, distinct). Once that has been at
+    ``sft_target_accuracy`` or above for ``sft_target_checks`` checks in a row, every other configured level
+    is measured too, and the check says stop (True) when each has at least ``sft_level_floor``. Training problems, not held-out ones: the stop never peeks at
     validation."""
 
     def __init__(self, cfg: Config, model, tokenizer) -> None:
@@ -216,6 +216,7 @@ class TargetCheck:
         assert tc is not None and tc.sft_target_accuracy is not None
         self.level = tc.sft_target_level if tc.sft_target_level is not None else min(task.levels)
         self.target, self.floor, self.every = tc.sft_target_accuracy, tc.sft_level_floor, tc.sft_check_every
+        self.checks = tc.sft_target_checks
         self.rows = {lv: synthetic_distinct_rows("train", levels=[lv], heldout_fraction=task.heldout_fraction,
                                                  seed=tc.seed, limit=tc.eval_prompts) for lv in task.levels}
         self.model, self.tokenizer = model, tokenizer
@@ -232,23 +233,30 @@ class TargetCheck:
             return False
         self.model.eval()
         self.trace.append((step, self._accuracy(self.level)))
-        if self.trace[-1][1] >= self.target and self.floor is not None:
+        if self._held() and self.floor is not None:
             self.others = {lv: self._accuracy(lv) for lv in self.rows if lv != self.level}
         self.model.train()
         log.info("sft step %d: level %d greedy accuracy %.3f (target %.2f)%s", step, self.level,
                  self.trace[-1][1], self.target, f", other levels {self.others}" if self.others else "")
         return self.reached()
 
+    def _held(self) -> bool:
+        """The target level is at the target at each of the last ``sft_target_checks`` checks."""
+        last = self.trace[-self.checks:]
+        return len(last) == self.checks and all(acc >= self.target for _, acc in last)
+
     def reached(self) -> bool:
-        if not self.trace or self.trace[-1][1] < self.target:
+        if not self._held():
             return False
         return self.floor is None or all(acc >= self.floor for acc in self.others.values())
 
     def reason(self, steps: int) -> str:
         floor = f"; other levels {self.others} >= {self.floor:g}" if self.floor is not None else ""
         if self.reached():
+            held = f" (and at the {self.checks - 1} check(s) before)" if self.checks > 1 else ""
             return (f"target reached at step {steps}: level {self.level} greedy accuracy on "
-                    f"{len(self.rows[self.level])} training problems {self.trace[-1][1]:.3f} >= {self.target:g}{floor}")
+                    f"{len(self.rows[self.level])} training problems {self.trace[-1][1]:.3f} >= {self.target:g}"
+                    f"{held}{floor}")
         best = max((acc for _, acc in self.trace), default=0.0)
         return (f"sft_steps ({steps}) used up before the target: best level {self.level} greedy accuracy "
                 f"{best:.3f} (target {self.target:g}), other levels at the last check {self.others}")

@@ -36,13 +36,20 @@ class TinyModelConfig(_Section):
     intermediate_size: int = Field(256, ge=16, le=16384, description="MLP hidden width.")
     sft_steps: int = Field(
         600, ge=1, le=100_000, description="Most warm-start optimizer steps: exactly this many without "
-        "`sft_target_accuracy`; with it, the warm start stops at the first check that reaches the target."
+        "`sft_target_accuracy`; with it, the warm start stops once the target is reached (and held, see "
+        "`sft_target_checks`)."
     )
     sft_target_accuracy: float | None = Field(
         None, gt=0, le=1, description="Stop the warm start at the first check where greedy accuracy on the "
         "training problems of `sft_target_level` reaches this (None = run `sft_steps`). A measured target "
         "lands the policy at the same skill on any CPU, where a step count lands it wherever that CPU's "
         "arithmetic takes it.",
+    )
+    sft_target_checks: int = Field(
+        1, ge=1, le=100, description="With `sft_target_accuracy`: consecutive checks at which the target level "
+        "must be at or above the target before the warm start stops. At a high warm-start lr the accuracy "
+        "swings between checks (0.57, 0.35, 0.52, 0.62), so a single check can stop on a spike; 2 was tried "
+        "on a 4-layer model and did not rescue the warm start that stopped there (docs/training.md).",
     )
     sft_target_level: int | None = Field(
         None, description="Synthetic level the target is measured on (None = the easiest configured level)."

@@ -16,7 +16,6 @@ compare the ratios.
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -24,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runlib import REPO, records, run_train, step_records  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, str | None, list[str]]:
@@ -47,19 +47,16 @@ def checkout(rev: str, into: Path) -> Path:
 def run(name: str, rev_dir: Path | None, sets: list[str], args, index: int) -> dict:
     root = rev_dir or REPO
     run_dir = args.out / f"{name.replace(' ', '_').replace(',', '')}_{index}"
-    common = ["--set", f"learner.total_steps={args.steps}", "--set", "logging.val_every_steps=0",
-              "--set", "checkpoint.every_steps=0", "--set", "checkpoint.export_hf=false",
-              "--set", f"logging.run_dir={run_dir.resolve()}", "--set", f"model.path={args.model.resolve()}",
-              "--set", "model.bootstrap=null", *[x for c in args.common for x in ("--set", c)]]
-    cmd = [sys.executable, "-m", "async_dapo.cli", "train", "--config", str(root / args.config), *common, *sets]
-    env = {**os.environ, "PYTHONPATH": str(root)}  # the revision's package, in the driver and every Ray worker
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=args.run_timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"variant {name!r} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    from async_dapo.metrics import upgrade_row  # an older revision's rows carry the tags before the rename
-
-    rows = [upgrade_row(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    steps = [r for r in rows if "perf/time_per_step" in r][args.warmup:]
+    common = [f"learner.total_steps={args.steps}", "logging.val_every_steps=0", "checkpoint.every_steps=0",
+              "checkpoint.export_hf=false", f"logging.run_dir={run_dir.resolve()}",
+              f"model.path={args.model.resolve()}", "model.bootstrap=null", *args.common]
+    log_path = run_dir.resolve().parent / f"{run_dir.name}.log"
+    # In the revision's tree: its package, in the driver and every Ray worker (run_train's PYTHONPATH).
+    rc = run_train(root / args.config, [*common, *sets[1::2]], log_path, timeout_s=args.run_timeout, cwd=root)
+    if rc != 0:
+        raise SystemExit(f"variant {name!r} failed (exit {rc}): see {log_path}")
+    rows = records(run_dir)  # an older revision's rows carry the tags before the rename: records upgrades them
+    steps = step_records(rows)[args.warmup:]
     total = next((r["time/total_s"] for r in rows if "time/total_s" in r), float("nan"))
     mean = lambda key: statistics.mean(r[key] for r in steps)  # noqa: E731
     return {"step_s": mean("perf/time_per_step"), "wait_s": mean("perf/wait_data_s"),

@@ -15,11 +15,11 @@ step-0 validation (start-up excluded); the wall column is the whole command with
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runlib import check_reusable, finished, records, run_train  # noqa: E402
 from val_curve import val_rows  # noqa: E402
 
 GAIN = 0.10  # the issue's bar: +10 points of held-out avg@k
@@ -30,30 +30,21 @@ def run_one(args, b: int, r: int) -> Path:
     sets = [*args.overrides, f"model.path={args.out / f'model_b{b}'}", f"model.bootstrap.seed={b}",
             f"logging.seed={r}", f"data.shuffle_seed={r}", f"rollout.engine.random_seed={r}",
             f"logging.run_dir={run_dir}"]
-    if _finished(run_dir):
+    if finished(run_dir, args.steps):
+        check_reusable(run_dir, args.config, sets)
         print(f"{run_dir}: finished earlier, not run again", flush=True)
         return run_dir
-    cmd = [sys.executable, "-m", "async_dapo.cli", "train", "--config", args.config]
-    for s in sets:
-        cmd += ["--set", s]
-    print(" ".join(cmd), flush=True)
-    with (args.out / f"b{b}_r{r}.log").open("w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout).returncode
+    print(f"{run_dir}: training ({' '.join(sets)})", flush=True)
+    rc = run_train(args.config, sets, args.out / f"b{b}_r{r}.log", timeout_s=args.run_timeout)
     if rc != 0:
         print(f"{run_dir}: exit {rc} (see {args.out / f'b{b}_r{r}.log'})", flush=True)
     return run_dir
 
 
-def _finished(run_dir: Path) -> bool:
-    path = run_dir / "metrics.jsonl"
-    return path.exists() and any("time/total_s" in json.loads(line) for line in path.read_text().splitlines() if line)
-
-
 def summary(run_dir: Path, b: int, r: int) -> dict:
     rows = val_rows(run_dir)
     boot = json.loads((run_dir.parent / f"model_b{b}" / "bootstrap.json").read_text())["report"]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    phases = next((x for x in records if "time/total_s" in x), {})
+    phases = next((x for x in records(run_dir) if "time/total_s" in x), {})
     # Without the warm start: the first run of a bootstrap seed builds it, the README's command finds it cached.
     wall = phases.get("time/total_s", float("nan")) - phases.get("time/bootstrap_s", 0.0)
     t0, base = rows[0]["time"], rows[0]["val/avg_at_k"]
@@ -91,12 +82,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/seed_study"))
     ap.add_argument("--run-timeout", type=float, default=3600, help="seconds one run may take")
     args = ap.parse_args()
+    args.out, args.config = args.out.resolve(), Path(args.config).resolve()  # runs start in the repository root
+    from async_dapo.config import load_config
+
+    args.steps = load_config(args.config, args.overrides).learner.total_steps  # what a finished run trained
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for b in args.bootstrap_seeds:
         for r in args.rl_seeds:
             run_dir = run_one(args, b, r)
-            if _finished(run_dir):
+            if finished(run_dir, args.steps):
                 results.append(summary(run_dir, b, r))
     if results:
         print(table(results))

@@ -99,29 +99,46 @@ def test_warm_start_without_reaching_the_target_says_so(tmp_path, monkeypatch):
                                "(target 0.6), other levels at the last check {}")
 
 
-def test_warm_start_also_waits_for_every_level_to_reach_the_floor(tmp_path, monkeypatch):
-    # Level 1 is at its target from the first check (step 2); level 2 reaches the 0.1 floor only at step 6.
+def _scripted_warm_start(tmp_path, monkeypatch, script: dict[int, list[float]], *extra: str):
+    """Run the warm start with each check's greedy accuracy taken from ``script`` (per level, in order);
+    returns (report, the levels measured in order)."""
     from async_dapo import bootstrap as bs
 
-    script = {1: iter([0.7, 0.7, 0.7]), 2: iter([0.05, 0.08, 0.12])}
-    measured = []
+    left, measured = {lv: iter(accs) for lv, accs in script.items()}, []
+    checks = sum(len(accs) for accs in script.values())
 
     def scripted(model, tokenizer, rows, max_new_tokens):
         level = rows[0].extra_info["level"]
-        if rows[0].extra_info["split"] != "train" or len(measured) >= 6:  # the report's own evaluation
+        if rows[0].extra_info["split"] != "train" or len(measured) >= checks:  # the report's own evaluation
             return [False] * len(rows)
         measured.append(level)
-        acc = next(script[level])
+        acc = next(left[level])
         return [i < acc * len(rows) for i in range(len(rows))]
 
     monkeypatch.setattr(bs, "greedy_accuracy", scripted)
     cfg = load_config(None, [f"model.path={tmp_path / 'm'}", "model.bootstrap.sft_steps=50",
                              "model.bootstrap.sft_check_every=2", "model.bootstrap.sft_target_accuracy=0.6",
                              "model.bootstrap.sft_level_floor=0.1", "model.bootstrap.eval_prompts=100",
-                             "data.synthetic.levels=[1, 2]"])
-    rep = bs.bootstrap(cfg)
+                             "data.synthetic.levels=[1, 2]", *extra])
+    return bs.bootstrap(cfg), measured
+
+
+def test_warm_start_also_waits_for_every_level_to_reach_the_floor(tmp_path, monkeypatch):
+    # Level 1 is at its target from the first check (step 2); level 2 reaches the 0.1 floor only at step 6.
+    rep, measured = _scripted_warm_start(tmp_path, monkeypatch, {1: [0.7, 0.7, 0.7], 2: [0.05, 0.08, 0.12]})
     assert rep.sft_steps == 6 and measured == [1, 2, 1, 2, 1, 2]
     assert rep.stop_reason.endswith("training problems 0.700 >= 0.6; other levels {2: 0.12} >= 0.1")
+
+
+def test_warm_start_stops_only_when_the_target_holds_at_consecutive_checks(tmp_path, monkeypatch):
+    # Level 1 spikes to the target at step 2, falls back at step 4, then holds it at steps 6 and 8: with
+    # sft_target_checks=2 the warm start stops at step 8 (and measures level 2 only once the target held).
+    rep, measured = _scripted_warm_start(tmp_path, monkeypatch, {1: [0.65, 0.35, 0.62, 0.7], 2: [0.2]},
+                                         "model.bootstrap.sft_target_checks=2")
+    assert rep.sft_steps == 8 and measured == [1, 1, 1, 1, 2]
+    assert [acc for _, acc in rep.target_trace] == [0.65, 0.35, 0.62, 0.7]
+    assert rep.stop_reason == ("target reached at step 8: level 1 greedy accuracy on 100 training problems "
+                               "0.700 >= 0.6 (and at the 1 check(s) before); other levels {2: 0.2} >= 0.1")
 
 
 def test_target_level_must_be_a_configured_level():
