@@ -208,8 +208,8 @@ class TargetCheck:
     """``after_step`` of the warm start: every ``sft_check_every`` steps, greedy accuracy on the training
     problems of the target level (at most ``eval_prompts``, distinct). Once that has been at
     ``sft_target_accuracy`` or above for ``sft_target_checks`` checks in a row, every other configured level
-    is measured too, and the check says stop (True) when each has at least ``sft_level_floor``. Training problems, not held-out ones: the stop never peeks at
-    validation."""
+    is measured too, and the check says stop (True) when each has at least ``sft_level_floor``. Training
+    problems, not held-out ones: the stop never peeks at validation."""
 
     def __init__(self, cfg: Config, model, tokenizer) -> None:
         tc, task = cfg.model.bootstrap, cfg.data.synthetic

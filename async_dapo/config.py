@@ -41,7 +41,8 @@ class TinyModelConfig(_Section):
     )
     sft_target_accuracy: float | None = Field(
         None, gt=0, le=1, description="Stop the warm start at the first check where greedy accuracy on the "
-        "training problems of `sft_target_level` reaches this (None = run `sft_steps`). A measured target "
+        "training problems of `sft_target_level` reaches this (for `sft_target_checks` checks in a row; "
+        "None = run `sft_steps`). A measured target "
         "lands the policy at the same skill on any CPU, where a step count lands it wherever that CPU's "
         "arithmetic takes it.",
     )
