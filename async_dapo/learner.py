@@ -262,8 +262,9 @@ class LearnerWorker:
         self.scheduler.step()
         self.version += 1
         out = self._reduce(sums)
-        out.update(grad_norm=max(norms), grad_norm_mean=sum(norms) / len(norms), skipped_updates=float(self.skipped_updates), version=float(self.version),
-                   lr=lr, train_s=time.perf_counter() - t0)
+        out.update(grad_norm=max(norms), grad_norm_mean=sum(norms) / len(norms),
+                   skipped_updates=float(self.skipped_updates), version=float(self.version), lr=lr,
+                   train_s=time.perf_counter() - t0)
         return out
 
     def _reduce(self, sums: dict[str, float]) -> dict[str, float]:

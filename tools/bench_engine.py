@@ -9,9 +9,8 @@ import json
 import time
 
 from async_dapo.bootstrap import bootstrap
-from async_dapo.data import encode_prompt
 from async_dapo.config import load_config
-from async_dapo.data import synthetic_rows
+from async_dapo.data import encode_prompt, synthetic_rows
 from async_dapo.device import pin_threads
 from async_dapo.engine import start_engine
 
