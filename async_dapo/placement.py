@@ -118,7 +118,10 @@ class Placed:
                 continue
         roll = {"gen_tokens": sum(s["gen_tokens"] for s in stats), "t": t,
                 "idle_seconds": sum(s["idle_seconds"] for s in stats), "engines": max(len(stats), 1)}
-        return self.get(queue_ref, "replay stats"), roll, self.get(push_ref, "last push")
+        # Named as wait_push names it: learner rank 0 killed while this waits says "learner rank 0 died".
+        push = wait_all([push_ref], ["learner rank 0"], what="last push",
+                        timeout_s=self.cfg.placement.call_timeout_s)[0]
+        return self.get(queue_ref, "replay stats"), roll, push
 
     def _ask_engines(self) -> list:
         return [e.get_stats.remote() for e in self.engines]
