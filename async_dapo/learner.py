@@ -262,7 +262,7 @@ class LearnerWorker:
         self.scheduler.step()
         self.version += 1
         out = self._reduce(sums)
-        out.update(grad_norm=max(norms), grad_norm_mean=sum(norms) / len(norms),
+        out.update(grad_norm_max=max(norms), grad_norm_mean=sum(norms) / len(norms),
                    skipped_updates=float(self.skipped_updates), version=float(self.version), lr=lr,
                    train_s=time.perf_counter() - t0)
         return out

@@ -22,7 +22,7 @@ _LEARNER_TAGS = {
     "entropy": "actor/entropy", "token_prob": "actor/token_prob_mean",
     "pg_clipfrac": "actor/pg_clipfrac", "pg_clipfrac_lower": "actor/pg_clipfrac_lower",
     "pg_clipfrac_upper": "actor/pg_clipfrac_upper", "pg_clipfrac_low_side": "actor/pg_clipfrac_low_side",
-    "ppo_kl": "actor/ppo_kl", "grad_norm": "actor/grad_norm_max", "grad_norm_mean": "actor/grad_norm",
+    "ppo_kl": "actor/ppo_kl", "grad_norm_max": "actor/grad_norm_max", "grad_norm_mean": "actor/grad_norm",
     "is_weight": "actor/is_weight_mean",
     "is_weight_max": "actor/is_weight_max", "rollout_logprob_abs_diff": "actor/rollout_logprob_abs_diff",
     "loss": "actor/pg_loss", "lr": "actor/lr", "skipped_updates": "actor/skipped_updates",

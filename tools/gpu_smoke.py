@@ -512,7 +512,7 @@ def check_memory(report: Report, worker, base_cfg, preset: dict, device: str, vo
                     with meter.measure(entry):
                         stats = worker.train_step(groups)
                     entry.update(train_tokens=stats.get("train_tokens"), loss=stats.get("loss"),
-                                 grad_norm=stats.get("grad_norm"), step_s=stats.get("train_s"))
+                                 grad_norm=stats.get("grad_norm_max"), step_s=stats.get("train_s"))
                 entry["bytes_per_token"] = entry["delta_bytes"] / entry["micro_batch_tokens"]
                 print(f"[gpu_smoke]   {kind} {length}: {entry['delta_bytes'] / 2**20:.1f} MiB above baseline, "
                       f"{entry['bytes_per_token'] / 1024:.1f} KiB/token, {entry['seconds']:.2f} s", flush=True)
@@ -782,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
             save_s = time.perf_counter() - t0
             saved = {"saved_version": a.version, "state": fingerprint(a)}
             stats = next_step(a, dcp_b, det_mode, ckpt)
-            dcp_expected = {**saved, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
+            dcp_expected = {**saved, "loss": stats["loss"], "grad_norm": stats["grad_norm_max"],
                             "version": stats["version"], "next_state": fingerprint(a), "save_s": save_s}
 
         with report.guarded("weight_push", "weight_push", a):
@@ -823,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
                 load_s = time.perf_counter() - t0
                 state = fingerprint(w)
                 stats = next_step(w, dcp_b, det_mode, ckpt)
-                got = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "version": stats["version"],
+                got = {"loss": stats["loss"], "grad_norm": stats["grad_norm_max"], "version": stats["version"],
                        "next_state": fingerprint(w)}
                 w = None
                 stop_worker(workers.pop("C"), device)

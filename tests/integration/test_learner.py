@@ -121,7 +121,7 @@ def test_dcp_resume_gives_bit_identical_next_step(ray_cluster, cfg, tmp_path):
     got = on_all(ray, ranks, "train_step", b)[0]
     stop(ray, ranks)
     assert got["loss"] == expected["loss"]  # bit-identical, not approximately equal
-    assert got["grad_norm"] == expected["grad_norm"] and got["version"] == 2.0
+    assert got["grad_norm_max"] == expected["grad_norm_max"] and got["version"] == 2.0
 
 
 def test_push_sender_failure_unblocks_every_rank_and_raises(ray_cluster, cfg):
@@ -171,7 +171,7 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
     ray.get(engine.get_stats.remote(), timeout=300)
     (learner,) = start_learners(ray, cfg, 1)
     stats = ray.get(learner.train_step.remote(make_groups(4, 4, seed=4)))
-    assert stats["version"] == 1.0 and stats["grad_norm"] > 0
+    assert stats["version"] == 1.0 and stats["grad_norm_max"] > 0
     port = free_port()
     joined = engine.join_weight_group.remote("127.0.0.1", port, 2, 1, WEIGHT_GROUP, "gloo")
     ray.get(learner.open_weight_group.remote("127.0.0.1", port, 2, WEIGHT_GROUP), timeout=120)
