@@ -8,8 +8,9 @@ old: ``torch.log_softmax(logits.float() / T, -1).gather(-1, targets)`` (what the
 ``[B, T, V]`` requiring grad, resets the RSS high-water mark and reads the RSS, runs forward,
 ``.sum().backward()``, reads the high-water mark (VmHWM): the growth is the peak memory the path needs
 beyond the logits (the gradient included). A fresh process per path, so the allocator starts clean. The
-default temperature is 0.7 so that the old path's division copy is counted. Prints one JSON line: both growths in bytes, their
-ratio (new / old), each growth over the logits' byte size, and the log-prob sums (they must agree).
+default temperature is 0.7 so that the old path's division copy is counted. Prints one JSON line: both
+growths in bytes, their ratio (new / old), each growth over the logits' byte size, and the log-prob sums
+(they must agree).
 CPU only; Linux (/proc/self/status, clear_refs).
 """
 

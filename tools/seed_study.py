@@ -8,9 +8,9 @@ Bootstrap seed b builds its own warm start (``model.bootstrap.seed=b``, cached i
 ``sft_target_accuracy`` it stops where that seed reaches the target). RL seed r sets ``logging.seed``,
 ``data.shuffle_seed`` and ``rollout.engine.random_seed``. Each run writes OUT/b<b>_r<r>; a run that
 finished its steps is not run again (the study resumes), and stops the study if it was made with another
-config (choose another --out). Minutes are counted from the
-step-0 validation (start-up excluded); the wall column is the whole command without the warm start
-(the run's time/total_s - time/bootstrap_s: as README's command runs once the model is cached).
+config (choose another --out). Minutes are counted from the step-0 validation (start-up excluded); the
+wall column is the whole command without the warm start (the run's time/total_s - time/bootstrap_s: as
+README's command runs once the model is cached).
 """
 
 import argparse
