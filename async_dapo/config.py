@@ -264,6 +264,21 @@ class DynamicSamplingConfig(_Section):
         10, ge=1, description="Give up (error) after this many generation rounds' worth of groups "
         "without filling a batch.",
     )
+    retire_solved_after: int = Field(
+        0, ge=0, le=1000, description="Retire a training prompt once this many of its groups came back "
+        "all-correct: the prompt cursor skips its rows (every row with the same prompt) for the rest of the "
+        "run, so generation is not spent on prompts the policy has solved (prime-rl's easy-prompt filter; "
+        "Polaris and Skywork-OR1 drop solved prompts). Counted as queue/retired_prompts and "
+        "queue/skipped_retired; checkpointed with the cursor. 0 = never. Needs `enable`.",
+    )
+
+    @model_validator(mode="after")
+    def _retire_needs_filter(self) -> "DynamicSamplingConfig":
+        # Only dynamic sampling classifies a group as all-correct; without it nothing would ever retire.
+        if self.retire_solved_after and not self.enable:
+            raise ValueError("algorithm.dynamic_sampling.retire_solved_after needs "
+                             "algorithm.dynamic_sampling.enable: true")
+        return self
 
 
 class AlgorithmConfig(_Section):

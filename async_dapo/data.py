@@ -17,6 +17,8 @@ import json
 import logging
 import random
 import re
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -254,6 +256,12 @@ def prompt_key(row: PromptRow) -> tuple[tuple[str, str], ...]:
     return tuple((m.role, m.content) for m in row.prompt)
 
 
+def prompt_ids(rows: list[PromptRow]) -> list[int]:
+    """One id per row, equal for rows with the same prompt (ids in order of first occurrence)."""
+    ids: dict[tuple[tuple[str, str], ...], int] = {}
+    return [ids.setdefault(prompt_key(row), len(ids)) for row in rows]
+
+
 def distinct_prompt_rows(rows: list[PromptRow], source: str) -> list[PromptRow]:
     """``rows`` without repeated prompts, the first occurrence kept. verl-style eval files repeat each
     problem (AIME-2024: 30 problems x 32), which would only repeat the same measurement."""
@@ -330,15 +338,28 @@ class PromptCursor:
     ``take(n)`` hands out (epoch, index) tickets. Prompts handed out but never trained (in flight or queued
     at a checkpoint) are given back with ``give_back`` and are re-issued first, so that after a resume no
     prompt is replayed twice or skipped. ``state_dict``/``load_state_dict`` make it checkpointable.
+
+    Retirement (``retire_after`` > 0): :meth:`solved` counts a row's all-correct groups per prompt (``keys``
+    gives each row its prompt's id, so every row of a repeated prompt counts together); at ``retire_after``
+    the prompt is retired and ``take`` skips its rows from then on, counting them in ``skipped``.
     """
 
-    def __init__(self, num_rows: int, seed: int = 0) -> None:
+    def __init__(self, num_rows: int, seed: int = 0, *, keys: Sequence[int] | None = None,
+                 retire_after: int = 0) -> None:
         if num_rows <= 0:
             raise ValueError(f"num_rows must be > 0, got {num_rows}")
+        if keys is not None and len(keys) != num_rows:
+            raise ValueError(f"keys: {len(keys)} for {num_rows} rows")
         self.num_rows, self.seed = num_rows, seed
         self.epoch, self.position = 0, 0
         self.pending: list[tuple[int, int]] = []
         self._order_epoch, self._order = -1, []
+        self.keys = list(keys) if keys is not None else list(range(num_rows))
+        self._prompts = len(set(self.keys))
+        self.retire_after = retire_after
+        self.solved_counts: Counter[int] = Counter()
+        self.retired: set[int] = set()
+        self.skipped = 0  # rows not handed out because their prompt is retired
 
     def _permutation(self) -> list[int]:
         if self._order_epoch != self.epoch:
@@ -347,11 +368,25 @@ class PromptCursor:
             self._order_epoch = self.epoch
         return self._order
 
+    @property
+    def exhausted(self) -> bool:
+        """Every prompt is retired: ``take`` can hand out nothing more."""
+        return len(self.retired) == self._prompts
+
+    def _live(self, index: int) -> bool:
+        if self.keys[index] in self.retired:
+            self.skipped += 1
+            return False
+        return True
+
     def take(self, n: int) -> list[tuple[int, int]]:
-        out = self.pending[:n]
+        """Up to ``n`` tickets, given-back ones first; fewer only when :attr:`exhausted`."""
+        out = [t for t in self.pending[:n] if self._live(t[1])]
         self.pending = self.pending[n:]
-        while len(out) < n:
-            out.append((self.epoch, self._permutation()[self.position]))
+        while len(out) < n and not self.exhausted:
+            index = self._permutation()[self.position]
+            if self._live(index):
+                out.append((self.epoch, index))
             self.position += 1
             if self.position == self.num_rows:
                 self.epoch, self.position = self.epoch + 1, 0
@@ -360,12 +395,29 @@ class PromptCursor:
     def give_back(self, tickets: list[tuple[int, int]]) -> None:
         self.pending = sorted(set(self.pending) | {(int(e), int(i)) for e, i in tickets})
 
+    def solved(self, index: int) -> bool:
+        """Row ``index`` came back all-correct once more; True if that retired its prompt just now."""
+        if not self.retire_after:
+            return False
+        key = self.keys[index]
+        self.solved_counts[key] += 1
+        if key in self.retired or self.solved_counts[key] < self.retire_after:
+            return False
+        self.retired.add(key)
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         return {"num_rows": self.num_rows, "seed": self.seed, "epoch": self.epoch,
-                "position": self.position, "pending": [list(t) for t in self.pending]}
+                "position": self.position, "pending": [list(t) for t in self.pending],
+                "solved_counts": [[k, c] for k, c in sorted(self.solved_counts.items())],
+                "retired": sorted(self.retired), "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["num_rows"], state["seed"]) != (self.num_rows, self.seed):
             raise ValueError("cursor state belongs to another dataset (num_rows/seed differ)")
         self.epoch, self.position = state["epoch"], state["position"]
         self.pending = [tuple(t) for t in state["pending"]]
+        # Checkpoints from before retirement existed have none of these.
+        self.solved_counts = Counter({int(k): int(c) for k, c in state.get("solved_counts", [])})
+        self.retired = {int(k) for k in state.get("retired", [])}
+        self.skipped = int(state.get("skipped", 0))

@@ -36,7 +36,8 @@ _QUEUE_TAGS = {
     "rejected_oversized": "queue/rejected_oversized", "rejected_schema": "queue/rejected_schema",
     "accepted": "queue/accepted", "received": "queue/received", "running": "queue/running",
     "abandoned": "queue/abandoned", "rejected_auth": "queue/rejected_auth",
-    "rejected_unexpected": "queue/rejected_unexpected",
+    "rejected_unexpected": "queue/rejected_unexpected", "retired_prompts": "queue/retired_prompts",
+    "skipped_retired": "queue/skipped_retired",
 }
 
 

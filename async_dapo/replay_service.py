@@ -23,6 +23,7 @@ longer outstanding (expired, released, or from another run) is dropped and count
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import time
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from async_dapo.config import Config
-from async_dapo.data import PromptCursor, train_rows
-from async_dapo.replay import ACCEPTED, ReplayPolicy
+from async_dapo.data import PromptCursor, prompt_ids, train_rows
+from async_dapo.replay import ACCEPTED, DROPPED_ALL_CORRECT, ReplayPolicy
 from async_dapo.transport import GroupReceiver, new_secret
 from async_dapo.wire import Group
 
@@ -75,7 +76,7 @@ class ReplayService:
             capacity=cfg.replay.capacity_groups, dynamic_sampling=cfg.algorithm.dynamic_sampling.enable,
             versions=self.version,
         )
-        self.cursor = PromptCursor(len(train_rows(cfg)), seed=cfg.data.shuffle_seed)
+        self.cursor = self._new_cursor(cfg)
         t = cfg.transport
         # Per run, handed to producers over Ray only: a sender without it is counted, never heard.
         self.secret = new_secret()
@@ -93,6 +94,13 @@ class ReplayService:
         self.unexpected = 0  # valid groups for tickets that are not outstanding
         self.last_arrival = time.monotonic()  # or the moment a group was last expected again (silent_s)
         self._since_batch: Counter[str] = Counter()  # arrival outcomes since the last hand-out
+
+    @staticmethod
+    def _new_cursor(cfg: Config) -> PromptCursor:
+        rows, retire_after = train_rows(cfg), cfg.algorithm.dynamic_sampling.retire_solved_after
+        # Rows of one prompt retire together (DAPO-Math-17k repeats each problem; the synthetic task cycles).
+        return PromptCursor(len(rows), seed=cfg.data.shuffle_seed, retire_after=retire_after,
+                            keys=prompt_ids(rows) if retire_after else None)
 
     def _cond(self) -> asyncio.Condition:
         # Created lazily inside the actor's running event loop.
@@ -132,6 +140,8 @@ class ReplayService:
             self._abandon(ticket, "queue_error")
             return
         self._since_batch[outcome] += 1
+        if outcome == DROPPED_ALL_CORRECT and self.cursor.solved(group.prompt_index):
+            log.debug("prompt of row %d retired as solved", group.prompt_index)
         if outcome != ACCEPTED:
             log.debug("group %s: %s", group.group_id, outcome)
 
@@ -180,13 +190,15 @@ class ReplayService:
                 return []
             if incarnation is not None and self.producers.get(engine_rank) != incarnation:
                 return []
-            n = min(max_prompts, self.policy.capacity_to_admit())
+            picks = self.cursor.take(min(max_prompts, self.policy.capacity_to_admit()))
+            if not picks:  # every prompt retired as solved: get_batch's problem says so
+                return []
             if self.policy.stats.running == 0:  # nothing was expected until now: silence starts here
                 self.last_arrival = time.monotonic()
-            self.policy.admit(n)
+            self.policy.admit(len(picks))
         now = time.monotonic()
         tickets = [Ticket(f"{e}-{i}-{next(self._serial)}", e, i, self.version.value, engine_rank, now)
-                   for e, i in self.cursor.take(n)]
+                   for e, i in picks]
         self.tickets.update({t.group_id: t for t in tickets})
         self.wait_seconds["admit"] += time.perf_counter() - t0
         return [t.wire() for t in tickets]
@@ -242,6 +254,9 @@ class ReplayService:
         if self._receiving is not None and self._receiving.done():
             exc = None if self._receiving.cancelled() else self._receiving.exception()
             return f"the replay queue's receive task ended: {exc!r}"
+        if self.cursor.exhausted and not self.policy.stats.running:
+            return (f"every training prompt is retired as solved ({len(self.cursor.retired)} prompts; "
+                    f"algorithm.dynamic_sampling.retire_solved_after = {self.cursor.retire_after})")
         b, rounds = self.cfg.algorithm.train_batch_groups, self.cfg.algorithm.dynamic_sampling.max_gen_rounds
         got = sum(self._since_batch.values())
         if got < rounds * b:
@@ -259,7 +274,8 @@ class ReplayService:
     async def stats(self) -> dict[str, Any]:
         wire = {k: v for k, v in self.receiver.counters.items() if k.startswith("rejected_")}
         return {**self.policy.stats.snapshot(), **wire, **{f"abandoned/{k}": v for k, v in self.abandoned.items()},
-                "rejected_unexpected": self.unexpected, "version": self.version.value,
+                "rejected_unexpected": self.unexpected, "retired_prompts": len(self.cursor.retired),
+                "skipped_retired": self.cursor.skipped, "version": self.version.value,
                 "admission_limit": self.policy.admission_limit(), "capacity_to_admit": self.policy.capacity_to_admit(),
                 "wait_admit_s": self.wait_seconds["admit"], "wait_batch_s": self.wait_seconds["batch"],
                 "silent_s": self.silent_s()}
@@ -267,8 +283,7 @@ class ReplayService:
     async def state_dict(self) -> dict[str, Any]:
         """Checkpointable state: the cursor with every admitted-but-untrained prompt given back."""
         queued = [(g.epoch, g.prompt_index) for g in self.policy.queued()]
-        cur = PromptCursor(self.cursor.num_rows, self.cursor.seed)
-        cur.load_state_dict(self.cursor.state_dict())
+        cur = copy.deepcopy(self.cursor)
         cur.give_back([(t.epoch, t.index) for t in self.tickets.values()] + queued)
         return {"cursor": cur.state_dict(), "version": self.version.value}
 

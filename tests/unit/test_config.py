@@ -238,6 +238,11 @@ RULES = {
         ["transport.bind_host", "placement.nnodes", "0.0.0.0"],
         ["placement.nnodes=2", "logging.run_dir=/mnt/shared/x", "transport.bind_host=10.0.0.5"],
     ),
+    "retire_needs_dynamic_sampling": (
+        ["algorithm.dynamic_sampling.retire_solved_after=1", "algorithm.dynamic_sampling.enable=false"],
+        ["algorithm.dynamic_sampling.retire_solved_after", "algorithm.dynamic_sampling.enable"],
+        ["algorithm.dynamic_sampling.retire_solved_after=0", "algorithm.dynamic_sampling.enable=false"],
+    ),
     "ticket_outlives_request": (
         ["replay.ticket_ttl_s=600", "rollout.request_timeout_s=600"],
         ["replay.ticket_ttl_s", "rollout.request_timeout_s"],

@@ -175,6 +175,47 @@ def test_cursor_epochs_are_permutations_and_resume_exactly():
     assert sorted(epoch1) == [0, 1, 2, 3, 4]
 
 
+def test_cursor_retires_a_prompt_after_its_solved_groups_and_skips_all_its_rows():
+    from async_dapo.data import PromptCursor
+
+    # 6 rows of 3 prompts (A at rows 0 and 3, B at 1 and 4, C at 2 and 5), as a dataset repeating problems.
+    keys = [0, 1, 2, 0, 1, 2]
+    cur = PromptCursor(6, seed=0, keys=keys, retire_after=2)
+    first = cur.take(6)  # epoch 0, every row once: nothing retired yet
+    assert sorted(i for _, i in first) == [0, 1, 2, 3, 4, 5] and cur.skipped == 0
+    assert cur.solved(0) is False  # A: 1 of 2 all-correct groups
+    assert cur.solved(3) is True  # row 3 is A too: its second, so A retires now
+    assert cur.solved(0) is False and cur.retired == {0}  # already retired: counted, not retired again
+    cur.give_back([(0, 3), (0, 4)])  # in flight at a checkpoint: a retired prompt given back is skipped too
+    got = cur.take(9)
+    assert got[0] == (0, 4) and cur.skipped >= 1 + 2  # the given-back row 3, then rows 0 and 3 of epoch 1
+    assert {i for _, i in got[1:]} == {1, 2, 4, 5}  # rows 0 and 3 are never handed out again
+    # Nothing lost: every row the cursor passed was handed out or counted as skipped.
+    assert len(got) - 1 + cur.skipped - 1 == (cur.epoch - 1) * 6 + cur.position
+    resumed = PromptCursor(6, seed=0, keys=keys, retire_after=2)
+    resumed.load_state_dict(cur.state_dict())
+    assert (resumed.retired, resumed.solved_counts[0], resumed.skipped) == ({0}, 3, cur.skipped)
+    assert resumed.take(5) == cur.take(5)
+    for row in (1, 4, 2, 5):  # B and C reach two all-correct groups: nothing is left to hand out
+        cur.solved(row)
+    assert cur.exhausted and cur.take(3) == []
+
+
+def test_cursor_without_retirement_never_retires():
+    from async_dapo.data import PromptCursor
+
+    cur = PromptCursor(3, seed=0)
+    assert [cur.solved(0) for _ in range(5)] == [False] * 5
+    assert sorted(i for _, i in cur.take(3)) == [0, 1, 2] and cur.skipped == 0
+
+
+def test_prompt_ids_are_equal_for_equal_prompts():
+    from async_dapo.data import prompt_ids
+
+    rows = synthetic_rows("train", 6, levels=[1], heldout_fraction=0.3, seed=0)
+    assert prompt_ids(rows + rows[:2]) == [0, 1, 2, 3, 4, 5, 0, 1]
+
+
 def test_cursor_rejects_foreign_state():
     from async_dapo.data import PromptCursor
 

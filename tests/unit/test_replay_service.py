@@ -88,6 +88,38 @@ async def _stat(svc, key, value):
     return (await svc.stats()).get(key) == value
 
 
+def test_all_correct_group_retires_its_prompt_and_a_fully_retired_cursor_stops_the_run():
+    async def scenario():
+        svc = ReplayService(_cfg("algorithm.dynamic_sampling.retire_solved_after=1", "data.synthetic.levels=[1]"))
+        sender = await _connected(svc)
+        try:
+            solved, mixed = await svc.admit(0, 10)
+            sender.send(_group(solved, [True, True]))
+            sender.send(_group(mixed, [True, False]))
+            await _until(lambda: _stat(svc, "retired_prompts", 1))
+            stats = await svc.stats()
+            assert (stats["dropped_all_correct"], stats["accepted"]) == (1, 1)
+            key = svc.cursor.keys[solved[2]]
+            same = [i for i, k in enumerate(svc.cursor.keys) if k == key]
+            assert svc.cursor.keys[mixed[2]] != key and len(same) > 1  # the synthetic task repeats problems
+            cur = svc.cursor
+            rows = [i for _, i in cur.take(len(cur.keys))]  # more than the rest of the epoch
+            assert not set(rows) & set(same)  # no row of the solved prompt comes out again
+            skipped = (await svc.stats())["skipped_retired"]
+            assert skipped >= len(same) - 1  # the rest of epoch 0's rows of it, at least
+            assert skipped == cur.epoch * len(cur.keys) + cur.position - 2 - len(rows)  # each row passed: counted
+            cur.retired = set(cur.keys)  # every prompt solved (the unit's way to get there)
+            assert await svc.admit(0, 10, wait_s=0.1) == []  # a slot is free, but no prompt is left
+            got = await svc.get_batch(wait_s=0.2)
+            assert got["batch"] is None and got["problem"].startswith("every training prompt is retired")
+            assert "retire_solved_after = 1" in got["problem"]
+        finally:
+            sender.close()
+            await svc.close()
+
+    asyncio.run(scenario())
+
+
 def test_unsigned_group_is_rejected_and_not_counted_as_arrival(cfg):
     async def scenario():
         svc = ReplayService(cfg)
