@@ -354,8 +354,8 @@ class PromptCursor:
         self.epoch, self.position = 0, 0
         self.pending: list[tuple[int, int]] = []
         self._order_epoch, self._order = -1, []
-        self.keys = list(keys) if keys is not None else list(range(num_rows))
-        self._prompts = len(set(self.keys))
+        self.keys = list(keys) if keys is not None else None  # None: every row is its own prompt
+        self._prompts = len(set(self.keys)) if self.keys is not None else num_rows
         self.retire_after = retire_after
         self.solved_counts: Counter[int] = Counter()
         self.retired: set[int] = set()
@@ -373,8 +373,11 @@ class PromptCursor:
         """Every prompt is retired: ``take`` can hand out nothing more."""
         return len(self.retired) == self._prompts
 
+    def _key(self, index: int) -> int:
+        return self.keys[index] if self.keys is not None else index
+
     def _live(self, index: int) -> bool:
-        if self.keys[index] in self.retired:
+        if self.retired and self._key(index) in self.retired:
             self.skipped += 1
             return False
         return True
@@ -399,7 +402,7 @@ class PromptCursor:
         """Row ``index`` came back all-correct once more; True if that retired its prompt just now."""
         if not self.retire_after:
             return False
-        key = self.keys[index]
+        key = self._key(index)
         self.solved_counts[key] += 1
         if key in self.retired or self.solved_counts[key] < self.retire_after:
             return False

@@ -23,7 +23,6 @@ longer outstanding (expired, released, or from another run) is dropped and count
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
 import time
@@ -283,7 +282,8 @@ class ReplayService:
     async def state_dict(self) -> dict[str, Any]:
         """Checkpointable state: the cursor with every admitted-but-untrained prompt given back."""
         queued = [(g.epoch, g.prompt_index) for g in self.policy.queued()]
-        cur = copy.deepcopy(self.cursor)
+        cur = PromptCursor(self.cursor.num_rows, self.cursor.seed)  # the state carries retirement; keys are not state
+        cur.load_state_dict(self.cursor.state_dict())
         cur.give_back([(t.epoch, t.index) for t in self.tickets.values()] + queued)
         return {"cursor": cur.state_dict(), "version": self.version.value}
 
