@@ -19,3 +19,37 @@ def test_a_placement_on_more_nodes_than_nnodes_stops_the_run(monkeypatch):
     assert "\n" not in str(err.value) and "logging.run_dir" in str(err.value)
     check_nodes(load_config(None, ["placement.nnodes=2", "logging.run_dir=/mnt/shared/run",
                                    "transport.bind_host=0.0.0.0"]), pg=None)  # declared: fine
+
+
+class _Id:
+    def __init__(self, value):
+        self.value = value
+
+    def hex(self):
+        return self.value
+
+
+class _Handle:
+    def __init__(self, actor_id):
+        self._actor_id = _Id(actor_id)
+
+
+def test_a_dead_actor_behind_a_single_call_is_named(monkeypatch):
+    """Placed.get on one actor's call: the stop line says which actor died (learner rank, rollout actor or
+    replay queue), found by the actor id in Ray's error, not "actor died" alone."""
+    import ray
+
+    from async_dapo.placement import Placed
+    from async_dapo.supervise import ActorDied
+
+    placed = Placed(load_config(None), pg=None, replay=_Handle("aa01"), engines=[_Handle("bb01"), _Handle("bb02")],
+                    learners=[_Handle("cc01"), _Handle("cc02")])
+    for actor_id, role in [("cc02", "learner rank 1"), ("bb02", "rollout actor 1"), ("aa01", "replay queue"),
+                           ("dd0123456789abcdef", "actor dd0123456789"), (None, "an actor")]:
+        def dead(refs, timeout, actor_id=actor_id):
+            raise ray.exceptions.RayActorError(actor_id=actor_id, error_msg="The actor died unexpectedly")
+
+        monkeypatch.setattr(ray, "get", dead)
+        with pytest.raises(ActorDied) as err:
+            placed.get("ref", "close weight group")
+        assert str(err.value) == f"close weight group: {role} died (The actor died unexpectedly)"
