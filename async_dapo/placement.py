@@ -78,13 +78,15 @@ class Placed:
     def name_of(self, actor_id: str | None) -> str:
         """The role of the actor whose hex id is ``actor_id`` ("learner rank 0", "rollout actor 2", "replay
         queue"): the stop line names what died, also for a call that went to one actor."""
+        if actor_id is None:
+            return "an actor"
         roles = [(self.replay, "replay queue")] + [(e, f"rollout actor {i}") for i, e in enumerate(self.engines)]
         roles += [(r, f"learner rank {i}") for i, r in enumerate(self.learners)]
         for handle, role in roles:
             own = getattr(handle, "_actor_id", None)  # Ray's ActorID; the handle has no public accessor
-            if actor_id is not None and own is not None and own.hex() == actor_id:
+            if own is not None and own.hex() == actor_id:
                 return role
-        return "an actor" if actor_id is None else f"actor {actor_id[:12]}"
+        return f"actor {actor_id[:12]}"
 
     def put(self, value):
         """``value`` in Ray's object store, once: passed to every learner rank as this reference, it is
