@@ -280,11 +280,13 @@ def bootstrap(cfg: Config, force: bool = False) -> BootstrapReport:
     fp = _fingerprint(cfg)
     if not force and marker.exists():
         saved = json.loads(marker.read_text())
-        if saved.get("fingerprint") == fp:
+        if saved.get("fingerprint") == fp and saved.get("weights_sha256") == _weights_sha256(out):
             rep = saved["report"]
             rep["val_accuracy_by_level"] = {int(k): v for k, v in rep["val_accuracy_by_level"].items()}
             rep["target_trace"] = [tuple(x) for x in rep["target_trace"]]
-            return BootstrapReport(**{**rep, "cached": True})
+            # path: where it is now (the shipped default was built elsewhere and copied)
+            return BootstrapReport(**{**rep, "path": str(out), "cached": True})
+        log.warning("%s: cached model does not match this config or its recorded weights: rebuilding", out)
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # one thread per busy process: 2 threads on 2 cores ran 10-30x slower
     task = cfg.data.synthetic
@@ -314,5 +316,12 @@ def bootstrap(cfg: Config, force: bool = False) -> BootstrapReport:
         train_accuracy=sum(train_ok) / len(train_ok), val_accuracy=sum(val_ok) / len(val_ok),
         val_accuracy_by_level=by_level,
     )
-    marker.write_text(json.dumps({"fingerprint": fp, "report": asdict(report)}, indent=1))
+    marker.write_text(json.dumps({"fingerprint": fp, "weights_sha256": _weights_sha256(out),
+                                  "report": asdict(report)}, indent=1))
     return report
+
+
+def _weights_sha256(out: Path) -> str | None:
+    """The weights' hash, recorded beside the report: a cache hit means these exact weights, on any machine."""
+    weights = out / "model.safetensors"
+    return hashlib.sha256(weights.read_bytes()).hexdigest() if weights.exists() else None

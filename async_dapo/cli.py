@@ -1,15 +1,19 @@
 """``async-dapo`` command line: bootstrap | eval | train.
 
 Config errors print one line (``error: <dotted.key>: <problem>``) and exit 2; a run that cannot go on (a dead
-learner rank, restarts exhausted, a batch that cannot be filled, silence) prints one line
-(``run failed: <what>; last checkpoint: <path>``) and exits 1.
+learner rank, restarts exhausted, a batch that cannot be filled, silence, and any other exception in the
+driver: a lost Ray object, an out-of-memory kill, a bug) prints one line
+(``run failed: <what>; last checkpoint: <path>``) and exits 1; the full traceback goes to the run's log file
+(``<logging.run_dir>/train.log``, which also holds every progress line), not to the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import statistics
 import sys
 import time
@@ -71,7 +75,8 @@ def _eval(cfg: Config, repeats: int = 1) -> None:
 
     if cfg.model.bootstrap is not None:
         _bootstrap(cfg)
-    worker = RolloutWorker(cfg, 0)
+    with _deadline(cfg.placement.start_timeout_s, "engine start (placement.start_timeout_s)"):
+        worker = RolloutWorker(cfg, 0)
     rows, k = val_rows(cfg), cfg.logging.val_n
     avgs = []
     try:
@@ -90,17 +95,42 @@ def _eval(cfg: Config, repeats: int = 1) -> None:
                  k, repeats, statistics.mean(avgs), statistics.stdev(avgs), min(avgs), max(avgs))
 
 
+def train_run_dir(cfg: Config, resume: Path | None) -> Config:
+    """A resumed run keeps its own directory (RUN_DIR, or the run owning RUN_DIR/checkpoints/step_N); the
+    config given on the command line still applies."""
+    if resume is None:
+        return cfg
+    run_dir = resume.parent.parent if resume.parent.name == "checkpoints" else resume
+    return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"run_dir": run_dir})})
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, what: str):
+    """TimeoutError naming ``what`` if the block runs past ``seconds``. SIGALRM, because the SGLang engine must
+    start on the main thread (it installs signal handlers), so no other thread can wait for it; its blocking
+    reads of the scheduler's pipes are interrupted by the signal."""
+    def expired(signum, frame):
+        raise TimeoutError(f"{what}: not ready in {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _train(cfg: Config, resume: Path | None) -> int:
     from async_dapo.metrics import PhaseClock
-    from async_dapo.orchestrator import train
+    from async_dapo.orchestrator import archive_previous_run, train
 
     clock = PhaseClock()
-
-    if resume is not None:
-        # A resumed run keeps its own directory (RUN_DIR, or the run owning RUN_DIR/checkpoints/step_N);
-        # the config given on the command line still applies.
-        run_dir = resume.parent.parent if resume.parent.name == "checkpoints" else resume
-        cfg = cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"run_dir": run_dir})})
+    run_dir = Path(cfg.logging.run_dir)
+    # Before the log file opens in run_dir: a fresh run first moves an earlier run out of the way.
+    if resume is None and (moved := archive_previous_run(run_dir)) is not None:
+        log.info("run_dir %s held an earlier run: moved it to %s", run_dir, moved)
+    _log_to_file(run_dir / "train.log")
     if cfg.model.bootstrap is not None:
         with clock.phase("bootstrap"):
             _bootstrap(cfg)
@@ -109,11 +139,53 @@ def _train(cfg: Config, resume: Path | None) -> int:
     return 0
 
 
+_run_log: Path | None = None  # where a fatal traceback goes (set once a run has a directory)
+
+
+def _log_to_file(path: Path) -> None:
+    """Also write our log lines to ``path`` (appended): the run's record, and where a fatal traceback goes."""
+    global _run_log
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    _run_log = path
+
+
+def _fatal(exc: BaseException, cfg: Config | None, command: str) -> int:
+    """One line on the terminal for an exception nothing else caught; its traceback in the run's log file."""
+    import traceback
+
+    what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+    where = f"traceback in {_run_log}" if _to_run_log(f"{command} failed:\n{traceback.format_exc()}") else "no log file"
+    if command == "train" and cfg is not None:
+        from async_dapo.orchestrator import last_checkpoint
+
+        print(f"run failed: {what} ({where}); last checkpoint: {last_checkpoint(Path(cfg.logging.run_dir))}",
+              file=sys.stderr)
+    else:
+        print(f"{command} failed: {what} ({where})", file=sys.stderr)
+    return 1
+
+
+def _to_run_log(text: str) -> bool:
+    """Append ``text`` to the run's log file (only there, not on the terminal); False when there is none."""
+    if _run_log is None:
+        return False
+    with _run_log.open("a") as f:
+        f.write(text.rstrip("\n") + "\n")
+    return True
+
+
 def _setup_logging() -> None:
     # Our own handler, not the root logger's: SGLang reconfigures the root logger (to its log_level)
     # when an engine starts, which would silence our progress lines.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"))
+    global _run_log
+    _run_log = None
+    for old in log.handlers:  # a second main() in one process (tests) must not keep the last run's file open
+        old.close()
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -122,8 +194,11 @@ def _setup_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
+    cfg = None
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "train":
+            cfg = train_run_dir(cfg, args.resume)
         if args.command == "bootstrap":
             _bootstrap(cfg, args.force)
         elif args.command == "eval":
@@ -135,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RunFailed as exc:  # the run cannot go on: one line, what failed and the last checkpoint
         print(f"run failed: {exc}", file=sys.stderr)
+        _to_run_log(f"run failed: {exc}")
         return 1
     except KeyboardInterrupt:
         print("interrupted: actors and engines were shut down", file=sys.stderr)
         return 130
+    except Exception as exc:  # anything else (Ray's ObjectLostError, OutOfMemoryError, a bug): still one line
+        return _fatal(exc, cfg, args.command)
     return 0
 
 

@@ -48,9 +48,8 @@ class TinyModelConfig(_Section):
     )
     sft_target_checks: int = Field(
         1, ge=1, le=100, description="With `sft_target_accuracy`: consecutive checks at which the target level "
-        "must be at or above the target before the warm start stops. At a high warm-start lr the accuracy "
-        "swings between checks (0.57, 0.35, 0.52, 0.62), so a single check can stop on a spike; 2 was tried "
-        "on a 4-layer model and did not rescue the warm start that stopped there (docs/training.md).",
+        "must be at or above the target before the warm start stops (accuracy can swing between checks at a "
+        "high warm-start lr, so one check may stop on a spike).",
     )
     sft_target_level: int | None = Field(
         None, description="Synthetic level the target is measured on (None = the easiest configured level)."
@@ -58,8 +57,7 @@ class TinyModelConfig(_Section):
     sft_level_floor: float | None = Field(
         None, ge=0, le=1, description="With `sft_target_accuracy`: stop only once every other configured level "
         "also has at least this greedy accuracy on its training problems (checked when the target level is "
-        "there). A level left near 0 % gives RL no mixed groups: warm-start seed 2 stopped with level 2 at 6 % "
-        "and RL gained +7 points where seeds 0 and 1 (level 2 at 13-17 %) gained +11 to +17 (docs/training.md).",
+        "there): a level left near 0 % gives RL no mixed groups.",
     )
     sft_check_every: int = Field(
         25, ge=1, le=10_000, description="Warm-start steps between two checks of the target."
@@ -169,7 +167,7 @@ class EngineConfig(_Section):
     sleep_on_idle: bool | None = Field(
         None, description="SGLang's sleep_on_idle (None = True on cpu, False on cuda). Without it the "
         "scheduler busy-polls whenever it has nothing to run, which on a CPU engine takes a core from the "
-        "learner: the default run's step went 1.59 -> 1.19 s with it (docs/training.md).",
+        "learner.",
     )
     extra_args: dict[str, Any] = Field(
         default_factory=dict, description="Passed verbatim to sglang.Engine (escape hatch)."
@@ -198,8 +196,10 @@ class RolloutConfig(_Section):
         "or abort and resample.",
     )
     request_timeout_s: float = Field(
-        600, gt=0, description="An engine request (one sample) with no result after this many seconds is "
-        "aborted and its group abandoned (counted; the prompt goes back to the cursor).",
+        600, gt=0, description="Bound (seconds) on one engine request (a group's n samples go as ONE batched "
+        "request; a redrawn sample as one more) and on queueing the finished group for sending: on expiry the "
+        "request is aborted and the group abandoned (queue/abandoned/timeout or send_timeout; the prompt goes "
+        "back to the cursor).",
     )
     max_abort_retries: int = Field(
         3, ge=0, description="A sample whose request the engine aborted (not by our own weight update) is "
@@ -216,6 +216,14 @@ class RolloutConfig(_Section):
 class RewardConfig(_Section):
     """Rule-based math reward (+1/-1) and DAPO's soft overlong punishment."""
 
+    @model_validator(mode="after")
+    def _one_box_rule(self) -> "RewardConfig":
+        # strict_box_verify already scores by the box alone: a fallback for a missing Answer line means nothing
+        if self.strict_box_verify and self.boxed_fallback != "off":
+            raise ValueError("reward.boxed_fallback must be 'off' with reward.strict_box_verify: true (the strict "
+                             "mode scores only the box)")
+        return self
+
     overlong_buffer_enable: bool = Field(True, description="Add the soft overlong penalty.")
     overlong_buffer_length: int = Field(
         8, ge=1, description="L_cache: penalty ramps over the last this-many tokens before L_max."
@@ -231,9 +239,31 @@ class RewardConfig(_Section):
         "(math_dapo rules). An exception abandons that group (counted as queue/abandoned/score_error) and "
         "its prompt goes back to the cursor; the run goes on.",
     )
-    boxed_match: Literal["exact", "normalized"] = Field(
-        "exact", description="Built-in reward, a response without an 'Answer:' line: its last \\boxed{} must "
-        "equal the ground truth exactly (verl's strict box rule), or after normalising both ('normalized').",
+    strict_box_verify: bool = Field(
+        False, description="verl's math_dapo strict_box_verify: the built-in reward scores only the last "
+        "\\boxed{} in the response's last 100 characters, compared exactly with the ground truth, instead of the "
+        "last 'Answer:' line (the default, verl's).",
+    )
+    boxed_fallback: Literal["off", "exact", "normalized"] = Field(
+        "off", description="An extra, not in verl: in the default (Answer-line) mode, a response with no "
+        "'Answer:' line is scored by its last \\boxed{} in the last 100 characters instead of -1, equal to the "
+        "ground truth exactly ('exact') or after normalising both ('normalized'). 'off' = verl: -1. Shapes only "
+        "the built-in reward; ignored under strict_box_verify.",
+    )
+    timeout_s: float = Field(
+        30, gt=0, le=3600, description="Bound (seconds) on scoring one group (its G responses) or one "
+        "validation prompt: the reward function runs in a worker process off the engine's event loop, and a "
+        "worker still busy after this is killed and replaced; the group is abandoned as "
+        "queue/abandoned/score_timeout and its prompt goes back to the cursor.",
+    )
+    workers: int = Field(
+        1, ge=1, le=64, description="Reward worker processes per rollout actor (groups are scored in parallel "
+        "up to this many).",
+    )
+    max_score_failures: int = Field(
+        3, ge=1, le=1000, description="A training row whose groups failed scoring (timeout or exception) this "
+        "many times is quarantined: never issued again for the rest of the run, counted as "
+        "queue/quarantined_prompts, logged once with its row; checkpointed with the cursor.",
     )
 
 
@@ -257,12 +287,21 @@ class CorrectionConfig(_Section):
 
 
 class DynamicSamplingConfig(_Section):
-    """Keep only prompt groups whose accuracies are mixed (0 < #correct < G)."""
+    """Keep only prompt groups whose `metric` values are not all equal (default accuracy: 0 < #correct < G)."""
 
-    enable: bool = Field(True, description="Filter all-correct and all-wrong groups.")
+    enable: bool = Field(True, description="Drop groups whose `metric` values are all equal (all-correct and "
+                         "all-wrong groups under the default `acc`).")
     max_gen_rounds: int = Field(
         10, ge=1, description="Give up (error) after this many generation rounds' worth of groups "
         "without filling a batch.",
+    )
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field(
+        "acc", description="verl's algorithm.filter_groups.metric: the per-sample value whose spread decides "
+        "whether a group is kept (kept when not all equal). acc = correctness; score = the reward function's "
+        "score; seq_reward = score + overlong penalty (the trained reward); seq_final_reward = the same (no KL "
+        "term is ever added to the reward here). Unlike verl, a group of one sample is always dropped; a uniform "
+        "group is counted as all-correct / all-wrong by its accuracies, or as queue/dropped_uniform when they "
+        "are mixed.",
     )
     retire_solved_after: int = Field(
         0, ge=0, le=1000, description="Retire a training prompt once this many of its groups came back "
@@ -376,8 +415,9 @@ class WeightSyncConfig(_Section):
     bucket_mb: int = Field(64, ge=1, le=16384, description="Bucket size of the streamed parameters.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on cuda else gloo.")
     timeout_s: float = Field(
-        600, gt=0, description="Timeout (seconds) of one push; > rollout.drain_timeout_s and <= "
-        "placement.call_timeout_s.",
+        600, gt=0, description="Bound (seconds) on one weight push: the engines' load and each broadcast of "
+        "the learner's side. Rules: 3 x this <= placement.call_timeout_s (a push call may first wait for the "
+        "previous push); with rollout.update_mode drain, > rollout.drain_timeout_s.",
     )
 
 
@@ -432,6 +472,22 @@ class TransportConfig(_Section):
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port.")
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Larger messages are dropped and counted."
+    )
+    max_peers: int | None = Field(
+        None, ge=1, le=100_000, description="Most TCP connections the queue's receiver keeps open at once "
+        "(admitted producers plus connections still in their handshake); one beyond them is refused at the "
+        "handshake, before any of its message frames is read, and counted as queue stat rejected_peers (a "
+        "refused producer connects again 0.5-1.5 s later and gets in once a slot is free). None = 2 x "
+        "placement.num_engines (room for a replacement that connects before a dead peer's connection is torn "
+        "down).",
+    )
+    receive_budget_bytes: int | None = Field(
+        None, ge=1024 * 1024, description="Bytes zmq may hold in the queue's receiver for all peers together, "
+        "each message counted at the hard cap H = max(2 x max_message_bytes, max_message_bytes + 1 MiB) + 32 "
+        "tag bytes: per admitted peer the messages waiting in its pipe, one in its decoder and two copies of its "
+        "handshake properties (up to one H), plus the message being read. Each peer's receive high-water mark "
+        "is set from it: min(100, (budget // H - 1) // max_peers - 3). Must be >= (4 x max_peers + 1) x H. "
+        "None = that minimum, but at least 4 GiB.",
     )
 
 
@@ -583,6 +639,7 @@ class Config(_Section):
                 "group that still arrives after its ticket expired is dropped and counted, never trained twice)"
             )
         _check_multi_node(self)
+        _check_receive_budget(self)
         return self
 
 
@@ -606,6 +663,59 @@ def _check_multi_node(cfg: "Config") -> None:
         raise ValueError(
             f"transport.bind_host ({cfg.transport.bind_host}) must be an interface other nodes reach (e.g. 0.0.0.0 "
             "or this node's address) when placement.nnodes > 1"
+        )
+
+
+# The queue's receiver (transport.GroupReceiver) sizes its zmq buffers with these; they live here so the
+# load-time rule and the receiver share one formula (config imports nothing else of the package).
+RECEIVE_TAG_BYTES = 32  # = transport.TAG_BYTES, the HMAC-SHA256 tag: the run's receiver always has a secret
+RECEIVE_MAX_HWM = 100  # messages per peer; more would add latency, not throughput
+RECEIVE_DEFAULT_BUDGET_BYTES = 4 * 1024**3  # transport.receive_budget_bytes None: at least this
+
+
+def receive_hard_cap(max_message_bytes: int, tag_bytes: int = RECEIVE_TAG_BYTES) -> int:
+    """zmq MAXMSGSIZE of the receiver: room to receive and count a message somewhat over the limit
+    (instead of cutting the connection), plus the tag; zmq drops the connection on a larger one."""
+    return max(2 * max_message_bytes, max_message_bytes + 1024 * 1024) + tag_bytes
+
+
+def receive_max_peers(max_peers: int | None, num_engines: int) -> int:
+    """transport.max_peers resolved: None = 2 x placement.num_engines."""
+    return max_peers or 2 * num_engines
+
+
+# Hard-capped messages zmq may hold per admitted peer besides its pipe: one in its decoder and two copies
+# of its handshake properties (a READY command up to the hard cap, kept for the connection's life).
+RECEIVE_PEER_EXTRA = 3
+
+
+def receive_min_budget(max_peers: int, hard_cap: int) -> int:
+    """Smallest budget: per peer one message in its pipe + the extras, plus the one being read."""
+    return (max_peers * (1 + RECEIVE_PEER_EXTRA) + 1) * hard_cap
+
+
+def receive_budget(budget_bytes: int | None, max_peers: int, hard_cap: int) -> int:
+    """The budget in force: as set, or (None) the smallest that fits, at least the 4 GiB default."""
+    if budget_bytes is not None:
+        return budget_bytes
+    return max(RECEIVE_DEFAULT_BUDGET_BYTES, receive_min_budget(max_peers, hard_cap))
+
+
+def receive_hwm(budget_bytes: int, max_peers: int, hard_cap: int) -> int:
+    """Per-peer receive high-water mark so that max_peers x (hwm + extras) + 1 hard-capped messages fit
+    the budget; < 1 means the budget is too small."""
+    return min(RECEIVE_MAX_HWM, (budget_bytes // hard_cap - 1) // max_peers - RECEIVE_PEER_EXTRA)
+
+
+def _check_receive_budget(cfg: "Config") -> None:
+    t = cfg.transport
+    peers, cap = receive_max_peers(t.max_peers, cfg.placement.num_engines), receive_hard_cap(t.max_message_bytes)
+    if t.receive_budget_bytes is not None and receive_hwm(t.receive_budget_bytes, peers, cap) < 1:
+        raise ValueError(
+            f"transport.receive_budget_bytes ({t.receive_budget_bytes}) must be >= {receive_min_budget(peers, cap)} "
+            f"= (4 x transport.max_peers {peers} + 1) x hard cap {cap} (from transport.max_message_bytes "
+            f"{t.max_message_bytes}; max_peers None = 2 x placement.num_engines): per admitted peer one queued "
+            "message, one being decoded and its handshake properties"
         )
 
 

@@ -342,6 +342,9 @@ class PromptCursor:
     Retirement (``retire_after`` > 0): :meth:`solved` counts a row's all-correct groups per prompt (``keys``
     gives each row its prompt's id, so every row of a repeated prompt counts together); at ``retire_after``
     the prompt is retired and ``take`` skips its rows from then on, counting them in ``skipped``.
+
+    Quarantine: :meth:`quarantine` takes one row out for good (its groups kept failing to score); ``take``
+    never hands it out again, also not from the given-back prompts.
     """
 
     def __init__(self, num_rows: int, seed: int = 0, *, keys: Sequence[int] | None = None,
@@ -360,6 +363,7 @@ class PromptCursor:
         self.solved_counts: Counter[int] = Counter()
         self.retired: set[int] = set()
         self.skipped = 0  # rows not handed out because their prompt is retired
+        self.quarantined: set[int] = set()  # rows never handed out again
 
     def _permutation(self) -> list[int]:
         if self._order_epoch != self.epoch:
@@ -370,13 +374,19 @@ class PromptCursor:
 
     @property
     def exhausted(self) -> bool:
-        """Every prompt is retired: ``take`` can hand out nothing more."""
-        return len(self.retired) == self._prompts
+        """Every row is retired or quarantined: ``take`` can hand out nothing more."""
+        return len(self.retired) == self._prompts or (
+            bool(self.quarantined) and all(self._dead(i) for i in range(self.num_rows)))
+
+    def _dead(self, index: int) -> bool:
+        return index in self.quarantined or (bool(self.retired) and self._key(index) in self.retired)
 
     def _key(self, index: int) -> int:
         return self.keys[index] if self.keys is not None else index
 
     def _live(self, index: int) -> bool:
+        if index in self.quarantined:
+            return False
         if self.retired and self._key(index) in self.retired:
             self.skipped += 1
             return False
@@ -386,10 +396,14 @@ class PromptCursor:
         """Up to ``n`` tickets, given-back ones first; fewer only when :attr:`exhausted`."""
         out = [t for t in self.pending[:n] if self._live(t[1])]
         self.pending = self.pending[n:]
-        while len(out) < n and not self.exhausted:
+        dead_run = 0  # rows passed in a row without a live one: a whole epoch of them means none is left
+        while len(out) < n and len(self.retired) < self._prompts and dead_run < self.num_rows:
             index = self._permutation()[self.position]
             if self._live(index):
                 out.append((self.epoch, index))
+                dead_run = 0
+            else:
+                dead_run += 1
             self.position += 1
             if self.position == self.num_rows:
                 self.epoch, self.position = self.epoch + 1, 0
@@ -409,11 +423,19 @@ class PromptCursor:
         self.retired.add(key)
         return True
 
+    def quarantine(self, index: int) -> bool:
+        """Never hand out row ``index`` again; True if it was not quarantined yet."""
+        if index in self.quarantined:
+            return False
+        self.quarantined.add(index)
+        self.pending = [t for t in self.pending if t[1] != index]
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         return {"num_rows": self.num_rows, "seed": self.seed, "epoch": self.epoch,
                 "position": self.position, "pending": [list(t) for t in self.pending],
                 "solved_counts": [[k, c] for k, c in sorted(self.solved_counts.items())],
-                "retired": sorted(self.retired), "skipped": self.skipped}
+                "retired": sorted(self.retired), "skipped": self.skipped, "quarantined": sorted(self.quarantined)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["num_rows"], state["seed"]) != (self.num_rows, self.seed):
@@ -424,3 +446,4 @@ class PromptCursor:
         self.solved_counts = Counter({int(k): int(c) for k, c in state.get("solved_counts", [])})
         self.retired = {int(k) for k in state.get("retired", [])}
         self.skipped = int(state.get("skipped", 0))
+        self.quarantined = {int(i) for i in state.get("quarantined", [])}

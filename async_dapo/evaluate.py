@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from async_dapo.data import PromptRow, prompt_key
-from async_dapo.reward import INVALID_PRED, ScoreFn, builtin_score
+from async_dapo.reward import INVALID_PRED, RewardResult, ScoreFn, builtin_score
 
 
 def subset_of(row: PromptRow) -> str:
@@ -22,13 +22,19 @@ def prompt_scores(texts: list[list[str]], rows: list[PromptRow], score_fn: Score
     """Per prompt: (accuracy over its k samples, any sample correct, majority answer correct), scored by the
     run's reward function. Majority voting is over the extracted answers (``pred``); ties go to the answer
     seen first; a scorer that reports no ``pred`` gives no majority."""
+    return result_scores([[score_fn(row.data_source, t, row.ground_truth, row.extra_info) for t in group]
+                          for group, row in zip(texts, rows)])
+
+
+def result_scores(results: list[list[RewardResult]]) -> list[tuple[float, float, float]]:
+    """:func:`prompt_scores` from already scored samples (one list per prompt): the rollout actors score in
+    worker processes and hand the results here."""
     out = []
-    for group, row in zip(texts, rows):
-        results = [score_fn(row.data_source, t, row.ground_truth, row.extra_info) for t in group]
-        votes = Counter(r.pred for r in results if r.pred and r.pred != INVALID_PRED)
+    for group in results:
+        votes = Counter(r.pred for r in group if r.pred and r.pred != INVALID_PRED)
         top = votes.most_common(1)[0][0] if votes else None
-        maj = any(r.acc for r in results if r.pred == top) if top is not None else False
-        out.append((sum(r.acc for r in results) / len(results), float(any(r.acc for r in results)), float(maj)))
+        maj = any(r.acc for r in group if r.pred == top) if top is not None else False
+        out.append((sum(r.acc for r in group) / len(group), float(any(r.acc for r in group)), float(maj)))
     return out
 
 

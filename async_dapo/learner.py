@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import random
 import threading
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from async_dapo import rank_state
 from async_dapo.batching import MicroBatch, PlannedMiniBatch, plan_step
 from async_dapo.config import Config
 from async_dapo.device import dist_backend, engine_dtype, learner_backend, local_gpu_index, pin_threads, seed_everything
@@ -88,6 +88,10 @@ class LearnerWorker:
     """One FSDP2 rank (wrapped by :func:`learner_actor_class` for Ray; drivable without Ray, as
     tools/gpu_smoke.py does)."""
 
+    # fp32 master weights. Not a config choice: tests subclass with float64 to check invariances (the
+    # 2-rank gradient equals the 1-rank one) where they are exact rather than within fp32 summation order.
+    master_dtype = torch.float32
+
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         pin_threads(1)
         self.cfg, self.rank, self.world = cfg, rank, world_size
@@ -133,7 +137,7 @@ class LearnerWorker:
         lc, mc = self.cfg.learner, self.cfg.model
         config = AutoConfig.from_pretrained(mc.path, trust_remote_code=mc.trust_remote_code)
         with params_on_meta():  # no rank ever holds the whole model (see shards.load_local_shards)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+            model = AutoModelForCausalLM.from_config(config, dtype=self.master_dtype,
                                                      trust_remote_code=mc.trust_remote_code)
         if lc.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -474,25 +478,26 @@ class LearnerWorker:
 
         msd, osd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-        extra = {"scheduler": self.scheduler.state_dict(), "version": self.version,
-                 "skipped_updates": self.skipped_updates, "torch_rng": torch.get_rng_state(),
-                 "python_rng": random.getstate()}
-        torch.save(extra, Path(path) / f"extra_rank{self.rank}.pt")
+        # JSON, not a pickle: --resume must not run code from the checkpoint directory (async_dapo.rank_state).
+        state = rank_state.capture(self.scheduler.state_dict(), self.version, self.skipped_updates)
+        rank_state.write(rank_state.state_path(path, self.rank), state)
         self._barrier(f"checkpoint {path}")
 
     def load_checkpoint(self, path: str) -> int:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from async_dapo import safe_dcp
+
+        # Read and checked first: a rank state that is refused leaves the model and optimizer untouched.
+        state_file = rank_state.state_path(path, self.rank)
+        extra = rank_state.read(state_file)
         msd, osd = get_state_dict(self.model, self.optimizer)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=path)
+        # Not dcp.load's own reader and planner: they unpickle .metadata and the optimizer's non-tensor
+        # entries unrestricted (docs/reliability.md, "What a checkpoint directory is trusted with").
+        safe_dcp.load(state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(Path(path) / f"extra_rank{self.rank}.pt", weights_only=False)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.version, self.skipped_updates = extra["version"], extra["skipped_updates"]
-        torch.set_rng_state(extra["torch_rng"])
-        random.setstate(extra["python_rng"])
+        self.version, self.skipped_updates = rank_state.restore(state_file, extra, self.scheduler)
         return self.version
 
     def export_hf(self, path: str) -> None:

@@ -498,10 +498,12 @@ def entropy_and_token_prob(
 
 
 def keep_group(accuracies: Iterable[bool | int | float] | Tensor) -> bool:
-    """Dynamic-sampling filter: keep a prompt's group only if 0 < #correct < group size.
+    """Dynamic sampling with verl's default metric, ``acc``: keep a prompt's group only if
+    0 < #correct < group size (a tensor-friendly form of ``replay.keeps_group`` on accuracies).
 
-    Filter on ACCURACY (bool or 0/1), never on the shaped reward: a +1/-1 score or an
-    overlong-penalised reward is rejected with ValueError rather than silently misread.
+    Takes ACCURACIES (bool or 0/1): a +1/-1 score or an overlong-penalised reward is rejected with
+    ValueError rather than silently misread (the replay queue filters on those with
+    ``algorithm.dynamic_sampling.metric: score / seq_reward``, see ``replay.metric_values``).
     An empty group and a group of one are not kept (verl keeps singletons; with n = 1
     dynamic sampling must be off).
     """

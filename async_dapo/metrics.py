@@ -32,12 +32,13 @@ _LEARNER_TAGS = {
 # replay-queue key -> tag
 _QUEUE_TAGS = {
     "depth": "queue/depth", "dropped_all_correct": "queue/dropped_all_correct",
-    "dropped_all_wrong": "queue/dropped_all_wrong", "rejected_malformed": "queue/rejected_malformed",
-    "rejected_oversized": "queue/rejected_oversized", "rejected_schema": "queue/rejected_schema",
-    "accepted": "queue/accepted", "received": "queue/received", "running": "queue/running",
-    "abandoned": "queue/abandoned", "rejected_auth": "queue/rejected_auth",
-    "rejected_unexpected": "queue/rejected_unexpected", "retired_prompts": "queue/retired_prompts",
-    "skipped_retired": "queue/skipped_retired",
+    "dropped_all_wrong": "queue/dropped_all_wrong", "dropped_uniform": "queue/dropped_uniform",
+    "rejected_malformed": "queue/rejected_malformed", "rejected_oversized": "queue/rejected_oversized",
+    "rejected_schema": "queue/rejected_schema", "accepted": "queue/accepted", "received": "queue/received",
+    "running": "queue/running", "abandoned": "queue/abandoned", "rejected_auth": "queue/rejected_auth",
+    "rejected_unexpected": "queue/rejected_unexpected", "rejected_peers": "queue/rejected_peers",
+    "retired_prompts": "queue/retired_prompts", "skipped_retired": "queue/skipped_retired",
+    "quarantined_prompts": "queue/quarantined_prompts",
 }
 
 

@@ -59,6 +59,7 @@ class Run:
         self.run_dir = Path(cfg.logging.run_dir)
         self.step, self.version = 0, 0
         self._started_ray = False
+        self._ray_park = None  # set it to let connect_ray's parked thread end
         self._last: dict[str, Any] = {"gen_tokens": 0, "idle": 0.0, "t": time.perf_counter()}
         self._t_start = time.perf_counter()
         self._steps_done = 0
@@ -66,6 +67,7 @@ class Run:
         self._push_stall_s = 0.0
         self._val_rows: list | None = None
         self._val: dict[str, Any] | None = None  # the validation in flight (see _collect_validation)
+        self._val_skipped = 0  # validations not started because the previous one was still running
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
@@ -85,8 +87,7 @@ class Run:
             raise RunFailed(f"{exc}; last checkpoint: {self.last_checkpoint()}") from None
 
     def last_checkpoint(self) -> str:
-        latest = _latest_complete(self.run_dir / "checkpoints")
-        return f"{latest} (continue with --resume {self.run_dir})" if latest else "none"
+        return last_checkpoint(self.run_dir)
 
     @staticmethod
     def _on_sigterm(signum, frame) -> None:
@@ -97,7 +98,7 @@ class Run:
         import ray
 
         from async_dapo.device import seed_everything
-        from async_dapo.placement import place
+        from async_dapo.placement import connect_ray, place
         from async_dapo.preflight import check_prompts, check_reward_function
 
         cfg = self.cfg
@@ -105,12 +106,13 @@ class Run:
         with self.clock.phase("preflight"):
             check_reward_function(cfg)  # before anything starts: a bad config costs seconds, not a cluster
             check_prompts(cfg)
+        # (the CLI archives before it opens run_dir/train.log; this covers callers of train() itself)
         if self.resume is None and (moved := archive_previous_run(self.run_dir)) is not None:
             log.info("run_dir %s held an earlier run: moved it to %s", self.run_dir, moved)
         dump_config(cfg, self.run_dir / "config.yaml")
         if not ray.is_initialized():
             with self.clock.phase("ray_start"):
-                ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
+                self._ray_park = connect_ray(cfg)
             self._started_ray = True
         # After ray.init, which installs a SIGTERM handler of its own that skips our cleanup.
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -159,6 +161,8 @@ class Run:
                 placed.shutdown()
             if self._started_ray and ray.is_initialized():
                 ray.shutdown()
+            if self._ray_park is not None:
+                self._ray_park.set()  # the parked ray.init thread may end now
         if getattr(self, "metrics", None) is not None:
             self.metrics.write(self.step, self.clock.metrics())
             self.metrics.close()
@@ -270,6 +274,7 @@ class Run:
         self._push_stall_s = 0.0  # a step without a push (weight_sync.every_k_steps > 1) stalls nothing
         m = step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing)
         m["rollout/engine_restarts"] = float(self.supervisor.restarts)
+        m["val/skipped"] = float(self._val_skipped)
         self.metrics.write(step, m)
         self.step = step
         self._steps_done += 1
@@ -279,9 +284,16 @@ class Run:
 
     def validate(self, step: int) -> None:
         """Start a validation of the current weights, its rows spread over every engine; the loop does not
-        wait for it (the previous one, if still running, first: at most one at a time)."""
+        wait for it. At most one runs at a time: if the previous one is still running, this one is skipped
+        and counted (``val/skipped``; a metric never stalls the learner), except at the last step, where the
+        previous one is awaited (training is over) so that the final weights are always validated."""
         with self.clock.phase("validation"):
-            self._collect_validation(block=True)
+            self._collect_validation(block=step == self.cfg.learner.total_steps)
+            if self._val is not None:
+                self._val_skipped += 1
+                log.warning("validation at step %d skipped: the one started at step %d is still running "
+                            "(%d skipped so far, val/skipped)", step, self._val["step"], self._val_skipped)
+                return
             self._start_validation(step)
 
     def _start_validation(self, step: int) -> None:
@@ -351,6 +363,12 @@ class Run:
         if self.cfg.checkpoint.export_hf:
             self.placed.on_learners("export_hf", str(self.run_dir / "hf"))
         return {**getattr(self, "last_metrics", {}), **getattr(self, "last_val", {})}
+
+
+def last_checkpoint(run_dir: Path) -> str:
+    """The stop line's "last checkpoint" part: the newest complete checkpoint and how to continue, or none."""
+    latest = _latest_complete(run_dir / "checkpoints")
+    return f"{latest} (continue with --resume {run_dir})" if latest else "none"
 
 
 def archive_previous_run(run_dir: Path) -> Path | None:

@@ -9,6 +9,7 @@ weight_sync.timeout_s).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,6 +153,7 @@ class Placed:
         engines = {str(i): (pid(e.get_stats.remote()) or {}) for i, e in enumerate(self.engines)}
         return {"rollout": {i: s.get("pid") if isinstance(s, dict) else None for i, s in engines.items()},
                 "learner": {str(r): pid(a.pid.remote()) for r, a in enumerate(self.learners)},
+                "replay": pid(self.replay.pid.remote()),
                 "weight_group": weight_group_name(self.group_generation)}
 
     def bundle(self, index: int) -> dict[str, Any]:
@@ -195,6 +197,35 @@ class Placed:
             for a in actors:
                 ray.kill(a)
         remove_placement_group(self.pg)
+
+
+def connect_ray(cfg: Config) -> threading.Event:
+    """``ray.init`` (join ``placement.ray_address`` or the job's cluster, else start a local one), bounded by
+    placement.start_timeout_s: ray.init has no timeout of its own, and an unreachable address retries
+    forever. It runs on a helper thread that is then PARKED until the returned event is set (after
+    ``ray.shutdown``): a local Ray's processes are started with a parent-death signal tied to the thread that
+    started them, so letting that thread end kills the cluster (measured: the GCS went away 60 s later)."""
+    import ray
+
+    started, park, box = threading.Event(), threading.Event(), {}
+
+    def run() -> None:
+        try:
+            ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
+        except BaseException as exc:  # handed to the caller's thread
+            box["exc"] = exc
+        started.set()
+        park.wait()
+
+    threading.Thread(target=run, name="ray-init", daemon=True).start()
+    timeout = cfg.placement.start_timeout_s
+    if not started.wait(timeout):
+        raise WaitExpired(f"ray.init(address={cfg.placement.ray_address!r}): not connected in {timeout:.0f} s "
+                          "(placement.start_timeout_s)")
+    if "exc" in box:
+        park.set()
+        raise box["exc"]
+    return park
 
 
 def weight_group_name(generation: int) -> str:

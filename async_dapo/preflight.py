@@ -13,21 +13,23 @@ def check_reward_function(cfg: Config) -> None:
     from async_dapo.reward import load_score_fn
 
     try:
-        load_score_fn(cfg.reward.function, cfg.reward.boxed_match)
+        load_score_fn(cfg.reward)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
 def check_prompts(cfg: Config) -> None:
-    """``data.max_prompt_length`` with ``data.truncation: error``: every train and val prompt (chat template
-    applied) must fit, else DatasetError naming the file and row. With ``left`` the rollout actors keep
-    each long prompt's last max_prompt_length tokens, so there is nothing to check."""
+    """Every train and val row is loaded and validated here, in every ``data.truncation`` mode (a bad row
+    or an empty file is DatasetError naming the file and row, before anything is placed); with
+    ``truncation: error`` every prompt (chat template applied) must also fit ``data.max_prompt_length``. With
+    ``left`` the rollout actors keep each long prompt's last max_prompt_length tokens: no length to check."""
+    splits = (("train", train_rows(cfg)), ("val", val_rows(cfg)))
     if cfg.data.truncation != "error":
         return
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    for split, rows in (("train", train_rows(cfg)), ("val", val_rows(cfg))):
+    for split, rows in splits:
         lengths = _prompt_lengths(tokenizer, rows)
         fit_prompt_lengths(rows, lengths, max_len=cfg.data.max_prompt_length, truncation="error",
                            source=source_name(cfg, split))

@@ -14,8 +14,9 @@ Three decisions, with v = the learner's current policy version (``versions.curre
   start from zero, and counting versions from v0 keeps the resumed run from bursting past the bound
   (AReaL #1345).
 * Arrival: a group is dropped as stale if v − min_version > η (its oldest token is too old), otherwise,
-  with dynamic sampling on, dropped if all its samples are correct or all wrong (``loss.keep_group``),
-  otherwise accepted (FIFO).
+  with dynamic sampling on, dropped if its samples' values of the filter metric are all equal
+  (:func:`keeps_group`; verl's ``algorithm.filter_groups``, metric ``acc`` by default: all correct or all
+  wrong), otherwise accepted (FIFO).
 * Hand-out: queued groups with v − min_version > η are dropped, then exactly B groups are handed out,
   oldest arrival first, or nothing if fewer than B remain.
 
@@ -27,18 +28,20 @@ per-sample guarantee hold.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
-
-from async_dapo.loss import keep_group
 
 __all__ = [
     "ACCEPTED",
     "DROPPED_ALL_CORRECT",
     "DROPPED_ALL_WRONG",
     "DROPPED_STALE",
+    "DROPPED_UNIFORM",
+    "FILTER_METRICS",
     "FREES_ADMISSION",
     "OUTCOMES",
     "FakeVersionSource",
@@ -46,19 +49,33 @@ __all__ = [
     "ReplayPolicy",
     "ReplayStats",
     "VersionSource",
+    "filter_outcome",
+    "keeps_group",
+    "metric_values",
 ]
 
 ACCEPTED = "accepted"
 DROPPED_ALL_CORRECT = "dropped_all_correct"
 DROPPED_ALL_WRONG = "dropped_all_wrong"
+DROPPED_UNIFORM = "dropped_uniform"  # non-acc metric all equal while the accuracies are mixed
 DROPPED_STALE = "dropped_stale"
-OUTCOMES = (ACCEPTED, DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG, DROPPED_STALE)
+OUTCOMES = (ACCEPTED, DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG, DROPPED_UNIFORM, DROPPED_STALE)
 # Arrival outcomes that give an admission slot back (a dropped group never counts as in_window).
-FREES_ADMISSION = frozenset({DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG, DROPPED_STALE})
+FREES_ADMISSION = frozenset({DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG, DROPPED_UNIFORM, DROPPED_STALE})
+
+# verl's algorithm.filter_groups.metric values -> the per-sample field read (wire.Sample):
+#   acc              -> acc    (the reward function's correctness flag)
+#   score            -> score  (the reward function's score, before the overlong penalty)
+#   seq_reward       -> reward (score + overlong penalty: verl's token_level_scores summed)
+#   seq_final_reward -> reward (verl's token_level_rewards summed = seq_reward − the KL-in-reward
+#                      penalty; no KL term is ever put into the reward here, so it equals seq_reward)
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+_METRIC_FIELD = {"acc": "accuracies", "score": "scores", "seq_reward": "rewards", "seq_final_reward": "rewards"}
 
 
 class GroupLike(Protocol):
-    """What the policy reads from a group (``wire.Group`` satisfies it)."""
+    """What the policy reads from a group (``wire.Group`` satisfies it). ``scores`` and ``rewards`` are read
+    only when the filter metric needs them."""
 
     @property
     def min_version(self) -> int:
@@ -67,8 +84,59 @@ class GroupLike(Protocol):
 
     @property
     def accuracies(self) -> Sequence[bool]:
-        """One correctness flag per sample (the dynamic-sampling filter reads these)."""
+        """One correctness flag per sample (metric ``acc``; also names a uniform group's drop)."""
         ...
+
+    @property
+    def scores(self) -> Sequence[float]:
+        """One reward-function score per sample (metric ``score``)."""
+        ...
+
+    @property
+    def rewards(self) -> Sequence[float]:
+        """One shaped reward per sample, score + overlong penalty (``seq_reward``, ``seq_final_reward``)."""
+        ...
+
+
+def metric_values(group: GroupLike, metric: str) -> tuple[float, ...]:
+    """The per-sample values dynamic sampling compares under ``metric`` (see :data:`FILTER_METRICS`).
+    Raises ValueError for an unknown metric, for an ``acc`` value that is not a boolean or 0/1 (a shaped
+    reward is not an accuracy) and for a non-finite score or reward."""
+    if metric not in _METRIC_FIELD:
+        raise ValueError(f"dynamic-sampling metric must be one of {FILTER_METRICS}, got {metric!r}")
+    values = tuple(getattr(group, _METRIC_FIELD[metric]))
+    for value in values:
+        if metric == "acc":
+            if value not in (0, 1):  # True/False compare equal to 1/0
+                raise ValueError(f"accuracies must be booleans or 0/1, got {value!r}: a shaped reward is "
+                                 "filtered with metric score / seq_reward, not acc")
+        elif not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{_METRIC_FIELD[metric]} must be finite numbers, got {value!r}")
+    return tuple(float(v) for v in values)
+
+
+def keeps_group(values: Sequence[float]) -> bool:
+    """verl's dynamic-sampling rule on one group's metric values: kept iff they are not all equal.
+
+    verl keeps ``std(values) > 0 or len(values) == 1``; two deliberate differences: a group of ONE sample
+    is dropped here (it has no spread to learn from: its GRPO advantage would be its raw score), and
+    "all equal" is exact equality, where numpy's std can leave ~1e-17 for equal floats (three 0.1s) and
+    make verl keep such a group, whose advantages are all 0 anyway."""
+    return len(values) > 1 and any(value != values[0] for value in values)
+
+
+def filter_outcome(values: Sequence[float], accuracies: Sequence[bool]) -> str:
+    """Dynamic sampling's verdict on a fresh group: ACCEPTED when :func:`keeps_group`, else the drop's name,
+    by the accuracies so that the counters keep their meaning under any metric: all correct →
+    DROPPED_ALL_CORRECT, all wrong → DROPPED_ALL_WRONG, mixed (possible only for a non-acc metric, e.g.
+    +1 − 2·penalty = −1 + 0) → DROPPED_UNIFORM."""
+    if keeps_group(values):
+        return ACCEPTED
+    if all(accuracies):
+        return DROPPED_ALL_CORRECT
+    if not any(accuracies):
+        return DROPPED_ALL_WRONG
+    return DROPPED_UNIFORM
 
 
 class VersionSource(Protocol):
@@ -99,7 +167,7 @@ class ReplayStats:
     """Counters for the metrics layer; all cumulative except ``depth`` and the ``last_batch_*``.
 
     Identities (hold after every call):
-    ``received = accepted + dropped_all_correct + dropped_all_wrong + dropped_stale``;
+    ``received = accepted + dropped_all_correct + dropped_all_wrong + dropped_uniform + dropped_stale``;
     ``depth = accepted − handed_out − dropped_stale_at_handout − dropped_capacity``.
     """
 
@@ -110,6 +178,7 @@ class ReplayStats:
     handed_out: int = 0  # groups given to the learner
     dropped_all_correct: int = 0  # on arrival, dynamic sampling
     dropped_all_wrong: int = 0  # on arrival, dynamic sampling
+    dropped_uniform: int = 0  # on arrival, dynamic sampling: metric values equal, accuracies mixed
     dropped_stale: int = 0  # on arrival: v − min_version > η
     dropped_stale_at_handout: int = 0  # queued, then too old by the time the learner asked
     dropped_capacity: int = 0  # oldest queued group pushed out by a full queue
@@ -154,6 +223,9 @@ class ReplayPolicy(Generic[G]):
       and the run could deadlock with fewer than B groups queued and no slot left.
     * a group is stale iff ``v − min_version > η``; it is dropped on arrival and, if already
       queued, when the learner next asks for a batch.
+    * with ``dynamic_sampling``, a fresh group is kept iff its values of ``filter_metric`` (verl's
+      ``algorithm.filter_groups.metric``, see :data:`FILTER_METRICS`) are not all equal
+      (:func:`keeps_group`; a group of one is dropped); a drop is named by :func:`filter_outcome`.
 
     Guarantee (PER SAMPLE): every token of every group returned by :meth:`take_batch` was produced
     by a policy version ≥ v − η, v being the version current at hand-out (the learner trains on
@@ -185,6 +257,7 @@ class ReplayPolicy(Generic[G]):
         dynamic_sampling: bool,
         versions: VersionSource,
         start_version: int | None = None,
+        filter_metric: str = "acc",
     ) -> None:
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
@@ -199,7 +272,10 @@ class ReplayPolicy(Generic[G]):
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
         self.capacity = capacity
+        if filter_metric not in FILTER_METRICS:
+            raise ValueError(f"filter_metric must be one of {FILTER_METRICS}, got {filter_metric!r}")
         self.dynamic_sampling = dynamic_sampling
+        self.filter_metric = filter_metric
         self._versions = versions
         # On a resume pass the restored version explicitly: a queue actor started before the
         # learner restored its checkpoint would otherwise read 0 here and burst later.
@@ -274,9 +350,9 @@ class ReplayPolicy(Generic[G]):
         # as stale tells the operator η (or the rollout speed) is the problem.
         if self.is_stale(group):
             return DROPPED_STALE
-        if not self.dynamic_sampling or keep_group(accuracies):
+        if not self.dynamic_sampling:
             return ACCEPTED
-        return DROPPED_ALL_CORRECT if all(accuracies) else DROPPED_ALL_WRONG
+        return filter_outcome(metric_values(group, self.filter_metric), accuracies)
 
     def _enqueue(self, group: G) -> None:
         if len(self._queue) >= self.capacity:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -32,11 +33,13 @@ from typing import Any
 
 from async_dapo.config import Config
 from async_dapo.data import PromptCursor, prompt_ids, train_rows
-from async_dapo.replay import ACCEPTED, DROPPED_ALL_CORRECT, ReplayPolicy
+from async_dapo.replay import ACCEPTED, ReplayPolicy
 from async_dapo.transport import GroupReceiver, new_secret
 from async_dapo.wire import Group
 
 log = logging.getLogger(__name__)
+
+SCORE_FAILURES = frozenset({"score_timeout", "score_error"})  # abandon reasons that count toward quarantine
 
 
 class _Version:
@@ -73,14 +76,13 @@ class ReplayService:
         self.policy: ReplayPolicy[Group] = ReplayPolicy(
             batch_groups=cfg.algorithm.train_batch_groups, max_staleness=cfg.replay.max_staleness,
             capacity=cfg.replay.capacity_groups, dynamic_sampling=cfg.algorithm.dynamic_sampling.enable,
-            versions=self.version,
+            versions=self.version, filter_metric=cfg.algorithm.dynamic_sampling.metric,
         )
-        self.cursor = self._new_cursor(cfg)
-        t = cfg.transport
+        self.rows = train_rows(cfg)  # kept: a quarantined row is logged with its content
+        self.cursor = self._new_cursor(cfg, self.rows)
         # Per run, handed to producers over Ray only: a sender without it is counted, never heard.
         self.secret = new_secret()
-        self.receiver = GroupReceiver(t.bind_host, t.port, max_message_bytes=t.max_message_bytes,
-                                      secret=self.secret)
+        self.receiver = GroupReceiver.from_config(cfg, secret=self.secret)  # max_peers, budget resolved there
         self._changed: asyncio.Condition | None = None
         self._receiving: asyncio.Task | None = None
         self.tickets: dict[str, Ticket] = {}
@@ -89,14 +91,15 @@ class ReplayService:
         self.producers: dict[int, str] = {}
         self._serial = itertools.count()
         self.abandoned: Counter[str] = Counter()
+        self.score_failures: Counter[int] = Counter()  # row index -> groups of it that failed scoring
         self.wait_seconds = {"admit": 0.0, "batch": 0.0}
         self.unexpected = 0  # valid groups for tickets that are not outstanding
         self.last_arrival = time.monotonic()  # or the moment a group was last expected again (silent_s)
         self._since_batch: Counter[str] = Counter()  # arrival outcomes since the last hand-out
 
     @staticmethod
-    def _new_cursor(cfg: Config) -> PromptCursor:
-        rows, retire_after = train_rows(cfg), cfg.algorithm.dynamic_sampling.retire_solved_after
+    def _new_cursor(cfg: Config, rows: list) -> PromptCursor:
+        retire_after = cfg.algorithm.dynamic_sampling.retire_solved_after
         # Rows of one prompt retire together (DAPO-Math-17k repeats each problem; the synthetic task cycles).
         return PromptCursor(len(rows), seed=cfg.data.shuffle_seed, retire_after=retire_after,
                             keys=prompt_ids(rows) if retire_after else None)
@@ -139,7 +142,8 @@ class ReplayService:
             self._abandon(ticket, "queue_error")
             return
         self._since_batch[outcome] += 1
-        if outcome == DROPPED_ALL_CORRECT and self.cursor.solved(group.prompt_index):
+        # solved = every sample correct, whatever the filter's metric kept or dropped the group for
+        if all(group.accuracies) and self.cursor.solved(group.prompt_index):
             log.debug("prompt of row %d retired as solved", group.prompt_index)
         if outcome != ACCEPTED:
             log.debug("group %s: %s", group.group_id, outcome)
@@ -148,8 +152,22 @@ class ReplayService:
         if self.tickets.pop(ticket.group_id, None) is None:
             return False
         self.policy.abandon(1)
-        self.cursor.give_back([(ticket.epoch, ticket.index)])
         self.abandoned[reason] += 1
+        if not (reason in SCORE_FAILURES and self._count_score_failure(ticket.index)):
+            self.cursor.give_back([(ticket.epoch, ticket.index)])
+        return True
+
+    def _count_score_failure(self, index: int) -> bool:
+        """One more group of row ``index`` failed scoring; True if that quarantined the row (a reward function
+        that hangs or raises on it would otherwise get it re-issued first, again and again)."""
+        self.score_failures[index] += 1
+        limit = self.cfg.reward.max_score_failures
+        if self.score_failures[index] < limit or not self.cursor.quarantine(index):
+            return False
+        row = self.rows[index]
+        log.error("training row %d quarantined after %d scoring failures (reward.max_score_failures); it is not "
+                  "issued again: data_source=%r ground_truth=%r prompt=%.300r", index, limit, row.data_source,
+                  row.ground_truth, row.prompt[-1].content)
         return True
 
     def _expire(self, now: float) -> None:
@@ -167,6 +185,9 @@ class ReplayService:
 
             return f"tcp://{ray.util.get_node_ip_address()}:{self.receiver.port}"
         return self.receiver.address
+
+    async def pid(self) -> int:
+        return os.getpid()
 
     async def producer_secret(self) -> bytes:
         """The run's message key (travels over Ray, never over the zmq socket)."""
@@ -254,14 +275,19 @@ class ReplayService:
             exc = None if self._receiving.cancelled() else self._receiving.exception()
             return f"the replay queue's receive task ended: {exc!r}"
         if self.cursor.exhausted and not self.policy.stats.running:
-            return (f"every training prompt is retired as solved ({len(self.cursor.retired)} prompts; "
-                    f"algorithm.dynamic_sampling.retire_solved_after = {self.cursor.retire_after})")
+            retired = (f"{len(self.cursor.retired)} prompts; algorithm.dynamic_sampling.retire_solved_after = "
+                       f"{self.cursor.retire_after}")
+            if not self.cursor.quarantined:
+                return f"every training prompt is retired as solved ({retired})"
+            return (f"no training row left to issue: retired as solved {retired}; quarantined "
+                    f"{len(self.cursor.quarantined)} rows (reward.max_score_failures)")
         b, rounds = self.cfg.algorithm.train_batch_groups, self.cfg.algorithm.dynamic_sampling.max_gen_rounds
         got = sum(self._since_batch.values())
         if got < rounds * b:
             return None
         parts = ", ".join(f"{self._since_batch[k] / got:.0%} {k.removeprefix('dropped_').replace('_', '-')}"
-                          for k in ("dropped_all_correct", "dropped_all_wrong", "dropped_stale"))
+                          for k in ("dropped_all_correct", "dropped_all_wrong", "dropped_uniform", "dropped_stale")
+                          if k != "dropped_uniform" or self._since_batch[k])  # uniform: only under a non-acc metric
         return (f"{b} groups needed, {self._since_batch[ACCEPTED]} mixed in {got // b} rounds ({got} groups): "
                 f"{parts} (algorithm.dynamic_sampling.max_gen_rounds = {rounds})")
 
@@ -274,6 +300,7 @@ class ReplayService:
         wire = {k: v for k, v in self.receiver.counters.items() if k.startswith("rejected_")}
         return {**self.policy.stats.snapshot(), **wire, **{f"abandoned/{k}": v for k, v in self.abandoned.items()},
                 "rejected_unexpected": self.unexpected, "retired_prompts": len(self.cursor.retired),
+                "quarantined_prompts": len(self.cursor.quarantined),
                 "skipped_retired": self.cursor.skipped, "version": self.version.value,
                 "admission_limit": self.policy.admission_limit(), "capacity_to_admit": self.policy.capacity_to_admit(),
                 "wait_admit_s": self.wait_seconds["admit"], "wait_batch_s": self.wait_seconds["batch"],

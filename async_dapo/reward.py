@@ -1,29 +1,43 @@
 """Rule-based math reward for DAPO and the soft overlong penalty.
 
-Runs inside the rollout actors, so it is pure Python + ``re`` (no torch import).
+Runs inside the rollout actors' reward worker processes, so it is pure Python + ``re`` (no torch
+import) and every scorer :func:`load_score_fn` returns is picklable.
 
-``dapo_math_score`` reproduces the semantics of verl's ``math_dapo.compute_score``
-(verl-project/verl main): only the last 300 characters of the response are read; the LAST
-"Answer: ..." line (case-insensitive) is normalised and compared, as a string, with the
-normalised ground truth. verl stops there (no Answer line = wrong); here, when the response has no
-Answer line, the last ``\\boxed{...}`` in the last 100 characters of that window is compared instead,
-exactly with the raw ground truth as verl's strict box check does (``reward.boxed_match: exact``), or
-after normalising both (``normalized``, an explicit switch).
-The deliberate differences from verl are listed in docs/algorithm.md.
+``dapo_math_score`` reproduces verl's ``math_dapo.compute_score`` (verl/utils/reward_score/math_dapo.py)
+in its two modes, named as verl names them:
+
+* default (``reward.strict_box_verify: false``): only the last 300 characters of the response are
+  read; the LAST "Answer: ..." line (case-insensitive) is normalised and compared, as a string, with
+  the normalised ground truth. A response without an Answer line is wrong (score -1, pred
+  ``"[INVALID]"``): verl has NO boxed fallback.
+* ``strict_box_verify``: only the last ``\\boxed{...}`` in the last 100 characters counts, compared
+  character for character with the raw ground truth.
+
+One extra, off by default and not in verl: ``reward.boxed_fallback`` ("exact" / "normalized") scores
+a response that has no Answer line by its last ``\\boxed{}`` in the last 100 characters instead of -1.
+The remaining differences from verl are listed in docs/algorithm.md.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import importlib.util
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for the annotation: the reward workers need not import pydantic
+    from async_dapo.config import RewardConfig
 
 __all__ = [
+    "BOXED_FALLBACKS",
     "INVALID_PRED",
     "RewardResult",
+    "UserScoreFn",
     "dapo_math_score",
     "builtin_score",
     "last_boxed_content",
@@ -37,6 +51,8 @@ INVALID_PRED = "[INVALID]"
 # verl reads only the tail: "the longest answer in MATH-500 has 159 characters".
 SOLUTION_WINDOW = 300
 BOXED_WINDOW = 100
+# reward.boxed_fallback: "off" is verl (no fallback); the other two are an explicit extra.
+BOXED_FALLBACKS = ("off", "exact", "normalized")
 
 # Note ``\s*`` after the colon may cross a newline ("Answer:\n42" is read as "42").
 _ANSWER_LINE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
@@ -82,9 +98,10 @@ _REGEX_REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
 
 @dataclass(frozen=True)
 class RewardResult:
-    """Outcome of scoring one response: ``score`` is +1.0/-1.0, ``acc`` the correctness flag
-    (the dynamic-sampling filter reads ``acc``, never the shaped score), ``pred`` the
-    normalised extracted answer, or ``INVALID_PRED`` when none was found."""
+    """Outcome of scoring one response: ``score`` is +1.0/-1.0 (a user function may return any
+    float), ``acc`` the correctness flag (what dynamic sampling filters on with its default
+    ``metric: acc``), ``pred`` the normalised extracted answer (raw in strict-box mode), or
+    ``INVALID_PRED`` when none was found."""
 
     score: float
     acc: bool
@@ -137,20 +154,27 @@ def _result(correct: bool, pred: str) -> RewardResult:
 
 
 def dapo_math_score(
-    solution: str, ground_truth: str, *, strict_box_verify: bool = False, boxed_match: str = "exact"
+    solution: str, ground_truth: str, *, strict_box_verify: bool = False, boxed_fallback: str = "off"
 ) -> RewardResult:
     """Score a response against its ground truth with verl's ``math_dapo`` rules.
 
-    Default mode: take the last 300 characters; if they contain an "Answer:" line, the last
-    one decides (normalised string equality with the normalised ground truth). Otherwise the
-    last ``\\boxed{}`` in the final 100 of those characters decides: equal to the raw ground truth
-    (``boxed_match="exact"``, verl's strict box rule: ``\\boxed{ 3 }`` is not ``3``) or equal after
-    normalising both (``"normalized"``); with neither, the response is wrong and ``pred`` is
-    ``INVALID_PRED``.
+    Default mode (verl's): take the last 300 characters; if they contain an "Answer:" line, the
+    last one decides (normalised string equality with the normalised ground truth); with no Answer
+    line the response is wrong and ``pred`` is ``INVALID_PRED``, as in verl.
 
-    ``strict_box_verify=True``: only the boxed answer in the final 100 characters counts and it
-    must equal the raw ground truth exactly (no normalisation), as in verl.
+    ``strict_box_verify=True`` (verl's other mode): only the last ``\\boxed{}`` in the final 100
+    characters counts and its content must equal the raw ground truth exactly (no normalisation:
+    ``\\boxed{ 3 }`` is not ``3``); no box, or an unbalanced last box, is wrong with ``INVALID_PRED``.
+    Answer lines are ignored.
+
+    ``boxed_fallback`` (an extra, NOT verl; only in the default mode, ignored under
+    ``strict_box_verify``): "off" = verl. "exact" / "normalized": a response with NO Answer line is
+    scored by its last ``\\boxed{}`` in the final 100 of the 300 characters, equal to the raw ground
+    truth ("exact", verl's strict-box comparison) or equal after normalising both ("normalized").
+    An Answer line, even an empty one, always decides first.
     """
+    if boxed_fallback not in BOXED_FALLBACKS:
+        raise ValueError(f"boxed_fallback must be one of {BOXED_FALLBACKS}, got {boxed_fallback!r}")
     window = solution[-SOLUTION_WINDOW:]
     if strict_box_verify:
         boxed = last_boxed_content(window[-BOXED_WINDOW:])
@@ -163,14 +187,14 @@ def dapo_math_score(
     if answers:
         pred = normalize_final_answer(answers[-1])
         return _result(pred == target, pred)
+    if boxed_fallback == "off":
+        return _result(False, INVALID_PRED)
 
     boxed = last_boxed_content(window[-BOXED_WINDOW:])
     if boxed is None:
         return _result(False, INVALID_PRED)
-    if boxed_match == "exact":
+    if boxed_fallback == "exact":
         return _result(boxed == ground_truth, boxed)
-    if boxed_match != "normalized":
-        raise ValueError(f"boxed_match must be 'exact' or 'normalized', got {boxed_match!r}")
     pred = normalize_final_answer(boxed)
     return _result(pred == target, pred)
 
@@ -212,22 +236,61 @@ ScoreFn = Callable[[str, str, str, dict], RewardResult]
 
 
 def builtin_score(data_source: str, solution: str, ground_truth: str, extra_info: dict, *,
-                  boxed_match: str = "exact") -> RewardResult:
-    """The default scorer: :func:`dapo_math_score` (the data source does not matter)."""
-    return dapo_math_score(solution, ground_truth, boxed_match=boxed_match)
+                  strict_box_verify: bool = False, boxed_fallback: str = "off") -> RewardResult:
+    """The default scorer: :func:`dapo_math_score` (the data source does not matter). With the
+    defaults it is verl's ``math_dapo`` in its Answer-line mode."""
+    return dapo_math_score(solution, ground_truth, strict_box_verify=strict_box_verify,
+                           boxed_fallback=boxed_fallback)
 
 
-def load_score_fn(spec: str | None, boxed_match: str = "exact") -> ScoreFn:
-    """``reward.function`` ('path/file.py:name' or 'package.module:name', verl's
-    custom_reward_function) as a scorer returning :class:`RewardResult`; None = :func:`builtin_score`
-    with ``boxed_match``. Raises ValueError naming the spec when the file, module or function cannot be
-    loaded."""
-    if spec is None:
-        return functools.partial(builtin_score, boxed_match=boxed_match)
+def load_score_fn(reward: RewardConfig) -> ScoreFn:
+    """The run's scorer, from the whole ``reward`` section: ``reward.function`` ('path/file.py:name' or
+    'package.module:name', verl's custom_reward_function) when set, else :func:`builtin_score` with
+    ``reward.strict_box_verify`` and ``reward.boxed_fallback`` (those two only shape the built-in reward).
+
+    The result is picklable, so it can be sent to a reward worker process: the built-in one is a
+    ``functools.partial`` of a module-level function and plain values; a user function is a
+    :class:`UserScoreFn` that pickles as its spec and loads the function again in the receiving process
+    (a file path is made absolute here first, so a worker with another working directory finds it).
+    Raises ValueError naming the spec when the file, module or function cannot be loaded here."""
+    if reward.function is None:
+        return functools.partial(builtin_score, strict_box_verify=bool(reward.strict_box_verify),
+                                 boxed_fallback=str(reward.boxed_fallback))
+    return UserScoreFn(reward.function)
+
+
+class UserScoreFn:
+    """``reward.function`` as a picklable scorer: holds the spec, loads the function on construction (so a
+    bad spec fails where the config is checked) and again, lazily, after unpickling in another process.
+    Calls return :class:`RewardResult` (a float score means acc = score > 0, verl's dict keys 'score',
+    'acc', 'pred' are read when present)."""
+
+    def __init__(self, spec: str) -> None:
+        target, sep, name = spec.rpartition(":")
+        self.spec = f"{os.path.abspath(target)}:{name}" if sep and target.endswith(".py") else spec
+        self._fn: Callable | None = _load_user_fn(self.spec, shown=spec)
+
+    def __getstate__(self) -> dict:
+        return {"spec": self.spec}  # the function object itself may not pickle (a file-loaded module)
+
+    def __setstate__(self, state: dict) -> None:
+        self.spec, self._fn = state["spec"], None
+
+    def __repr__(self) -> str:
+        return f"UserScoreFn({self.spec!r})"
+
+    def __call__(self, data_source: str, solution: str, ground_truth: str, extra_info: dict) -> RewardResult:
+        if self._fn is None:
+            self._fn = _load_user_fn(self.spec)
+        return _call_user_fn(self._fn, data_source, solution, ground_truth, extra_info)
+
+
+def _load_user_fn(spec: str, shown: str | None = None) -> Callable:
     target, _, name = spec.rpartition(":")
     try:
         if target.endswith(".py"):
-            loader = importlib.util.spec_from_file_location(f"async_dapo_user_reward_{abs(hash(target))}", target)
+            module_name = f"async_dapo_user_reward_{hashlib.sha1(target.encode()).hexdigest()[:12]}"
+            loader = importlib.util.spec_from_file_location(module_name, target)
             if loader is None or loader.loader is None:
                 raise FileNotFoundError(target)
             module = importlib.util.module_from_spec(loader)
@@ -235,13 +298,17 @@ def load_score_fn(spec: str | None, boxed_match: str = "exact") -> ScoreFn:
         else:
             module = importlib.import_module(target)
         fn = getattr(module, name)
+        if not callable(fn):
+            raise TypeError(f"{name} is a {type(fn).__name__}, not a function")
     except Exception as exc:
-        raise ValueError(f"reward.function: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
-    return functools.partial(_call_user_fn, fn)
+        raise ValueError(f"reward.function: cannot load {shown or spec!r}: {type(exc).__name__}: {exc}") from None
+    return fn
 
 
 def _call_user_fn(fn, data_source: str, solution: str, ground_truth: str, extra_info: dict) -> RewardResult:
     out = fn(data_source, solution, ground_truth, extra_info)
+    if isinstance(out, RewardResult):
+        return out
     if isinstance(out, dict):
         score = float(out["score"])
         return RewardResult(score=score, acc=bool(out.get("acc", score > 0)), pred=str(out.get("pred", "")))

@@ -31,6 +31,7 @@ its admission slot and gives the prompt back to the cursor. ``health`` is the su
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
@@ -45,10 +46,15 @@ import numpy as np
 from async_dapo.config import Config
 from async_dapo.data import PromptRow, encode_prompt, train_rows
 from async_dapo.device import engine_dtype, pin_threads, resolve_device, seed_everything
-from async_dapo.reward import load_score_fn, overlong_penalty
+from async_dapo.reward import RewardResult, overlong_penalty
+from async_dapo.scoring import Scorer, ScoringFailed
 from async_dapo.wire import Group, OversizedMessage, Sample
 
 log = logging.getLogger(__name__)
+
+
+ADMIT_WAIT_S = 5.0  # one admit call waits at most this long in the queue: the producer stays responsive
+CANCEL_GRACE_S = 10.0  # after a timeout, how long a cancelled call may take to abort its engine requests
 
 
 class WeightUpdateError(RuntimeError):
@@ -65,7 +71,7 @@ class GroupFailed(RuntimeError):
 
 def failure_reason(exc: BaseException) -> str:
     """The abandon reason of an exception raised while producing one group."""
-    if isinstance(exc, GroupFailed):
+    if isinstance(exc, (GroupFailed, ScoringFailed)):
         return exc.reason
     if isinstance(exc, OversizedMessage):
         return "oversized"
@@ -85,6 +91,22 @@ def token_versions(spans: list[dict] | None, length: int, fallback: int) -> np.n
             version = fallback
         out[span["start"] : span["end"]] = version
     return out
+
+
+async def gather_all(coros) -> list:
+    """``asyncio.gather`` that, when it is cancelled or one of its calls fails, cancels the others and waits
+    (bounded) for their cleanup before raising (the first error itself, not a group): a plain gather
+    returns at once and leaves its children aborting their engine requests behind the caller's back."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            if not task.cancelling():  # one cancel each: a second would cut short the cleanup of the first
+                task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
+        raise
 
 
 @dataclass
@@ -116,7 +138,7 @@ class _Session:
         self._prompt_ids: dict[int, list[int]] = {}
         self.sender = None
         self.queue = None
-        self.score_fn = load_score_fn(cfg.reward.function, cfg.reward.boxed_match)
+        self._scorer: Scorer | None = None  # worker processes, started at the first score
         self.updates_started = 0  # a request aborted while this moved was aborted by our own update
         self.update_started_at: float | None = None  # monotonic time of the running update, if any
         # zmq sockets are not thread-safe and a send may block on the high-water mark: one sender thread.
@@ -143,10 +165,26 @@ class _Session:
         try:
             return await asyncio.wait_for(self.tm.generate_request(obj, None).__anext__(), timeout)
         except asyncio.TimeoutError:
-            for rid in rids:
-                self.tm.abort_request(rid)
+            self._abort(rids)
             raise GroupFailed("timeout", f"no result from the engine in {timeout:.0f} s "
                               "(rollout.request_timeout_s)") from None
+        except asyncio.CancelledError:
+            # the caller gave up (a timed-out validation, a shutdown): the engine must not go on with it
+            self._abort(rids)
+            await self._until_gone(rids)
+            raise
+
+    def _abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.tm.abort_request(rid)
+
+    async def _until_gone(self, rids: list[str], timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until the engine dropped aborted requests from its table, so that "cancelled"
+        means "the engine is no longer working on them"."""
+        deadline = time.monotonic() + timeout_s
+        table = getattr(self.tm, "rid_to_state", {})
+        while any(rid in table for rid in rids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     async def sample_n(self, prompt_ids: list[int], params: dict[str, Any], n: int) -> list[dict[str, Any]]:
         """``n`` completions of one prompt, requested as one batch. A completion the batch lost to an abort is
@@ -166,7 +204,7 @@ class _Session:
                 redraw.append((i, self.sample_once(prompt_ids, params, int(updates == self.updates_started))))
             else:
                 out["_start_version"], out["_seconds"] = start_version, seconds
-        for i, out in zip([i for i, _ in redraw], await asyncio.gather(*(c for _, c in redraw))):
+        for i, out in zip([i for i, _ in redraw], await gather_all(c for _, c in redraw)):
             outs[i] = out
         return outs
 
@@ -191,15 +229,24 @@ class _Session:
                     raise GroupFailed("aborted", f"the engine aborted the request {foreign_aborts} times: "
                                       f"{out['meta_info'].get('finish_reason')}")
 
-    def _score(self, row: PromptRow, out: dict[str, Any]) -> Sample:
+    @property
+    def scorer(self) -> Scorer:
+        if self._scorer is None:
+            self._scorer = Scorer(self.cfg.reward, seed=self.cfg.logging.seed + 2000 + self.rank)
+        return self._scorer
+
+    async def _score_texts(self, row: PromptRow, texts: list[str]) -> list[RewardResult]:
+        """``texts`` (responses to ``row``) scored by the run's reward function in a worker process, bounded
+        by reward.timeout_s (ScoringFailed: score_timeout / score_error)."""
+        return await self.scorer.score([(row.data_source, t, row.ground_truth, row.extra_info) for t in texts])
+
+    def _texts(self, outs: list[dict[str, Any]]) -> list[str]:
+        return [self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs]
+
+    def _sample(self, out: dict[str, Any], result: RewardResult) -> Sample:
         meta = out["meta_info"]
         ids = np.asarray(out["output_ids"], dtype=np.int32)
         logprobs = np.asarray([lp for lp, *_ in meta["output_token_logprobs"]], dtype=np.float32)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        try:
-            result = self.score_fn(row.data_source, text, row.ground_truth, row.extra_info)
-        except Exception as exc:
-            raise GroupFailed("score_error", f"reward function raised {exc!r}") from exc
         rw = self.cfg.reward
         penalty = (overlong_penalty(len(ids), self.cfg.rollout.max_response_length,
                                     rw.overlong_buffer_length, rw.overlong_penalty_factor)
@@ -230,7 +277,8 @@ class _Session:
         prompt = self._prompt_ids[index]
         params = self._sampling_params()
         outs = await self.sample_n(prompt, params, self.cfg.rollout.n)
-        samples = tuple(self._score(row, o) for o in outs)
+        results = await self._score_texts(row, self._texts(outs))
+        samples = tuple(self._sample(o, r) for o, r in zip(outs, results))
         self.stats.samples += len(samples)
         self.stats.gen_tokens += sum(len(s.response_ids) for s in samples)
         return Group(
@@ -242,23 +290,24 @@ class _Session:
 
     async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         """One completion per prompt by the training path (:meth:`sample_once`): SGLang's output dicts."""
-        return list(await asyncio.gather(*[self.sample_once(p, params) for p in prompts]))
+        return await gather_all(self.sample_once(p, params) for p in prompts)
 
     async def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, Any]:
         """``k`` samples of each row by the same path as training groups (:meth:`sample_n`), scored by the
         run's reward function: per-row (avg, pass, maj) scores (``evaluate.prompt_scores``), the generated
         tokens, and the lowest and highest policy version any sampled token came from (weights may be
         pushed while a validation runs: the learner does not wait for it)."""
-        from async_dapo.evaluate import prompt_scores
+        from async_dapo.evaluate import result_scores
 
         prompts = [self._fit(encode_prompt(self.tokenizer, r), i) for i, r in enumerate(rows)]
-        groups = await asyncio.gather(*[self.sample_n(p, params, k) for p in prompts])
-        texts = [[self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in g] for g in groups]
+        groups = await gather_all(self.sample_n(p, params, k) for p in prompts)
+        texts = [self._texts(g) for g in groups]
+        results = await gather_all(self._score_texts(r, t) for r, t in zip(rows, texts))
         versions = [token_versions(o["meta_info"].get("weight_versions"), len(o["output_ids"]), o["_start_version"])
                     for g in groups for o in g]
         low = min((int(v.min()) for v in versions if len(v)), default=self.version)
         high = max((int(v.max()) for v in versions if len(v)), default=self.version)
-        return {"scores": prompt_scores(texts, rows, self.score_fn), "version_min": low, "version_max": high,
+        return {"scores": result_scores(results), "version_min": low, "version_max": high,
                 "gen_tokens": sum(len(v) for v in versions)}
 
     # ------------------------------------------------------------------ producer
@@ -275,13 +324,26 @@ class _Session:
             self.stats.failed_groups += 1
             reason = failure_reason(exc)
             log.warning("group %s abandoned (%s): %r", group_id, reason, exc)
-            await self.queue.abandon.remote(group_id, reason)
+            try:
+                await self._queue_call(self.queue.abandon.remote(group_id, reason), f"abandon {group_id}")
+            except TimeoutError as err:  # the queue expires the ticket after replay.ticket_ttl_s: nothing lost
+                log.error("%s; the queue will expire its ticket", err)
+
+    async def _queue_call(self, ref, what: str, extra_s: float = 0.0) -> Any:
+        """Await a call to the replay queue, bounded by placement.call_timeout_s (+ ``extra_s``, the wait the
+        call itself is allowed); TimeoutError naming what it waited for."""
+        timeout = self.cfg.placement.call_timeout_s + extra_s
+        try:
+            return await asyncio.wait_for(ref, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"rollout actor {self.rank}: {what}: no answer from the replay queue in "
+                               f"{timeout:.0f} s (placement.call_timeout_s)") from None
 
     async def produce(self, queue) -> None:
         """Admit prompts while the queue allows, keep up to max_inflight_prompts groups running."""
         self.queue = queue
         incarnation = uuid.uuid4().hex  # this process: a replacement of the same rank registers anew
-        await queue.register_producer.remote(self.rank, incarnation)
+        await self._queue_call(queue.register_producer.remote(self.rank, incarnation), "register")
         cap = self.cfg.rollout.max_inflight_prompts
         while True:
             await self.admitting.wait()
@@ -290,7 +352,8 @@ class _Session:
                 continue
             t0 = time.perf_counter()
             # [] after a bounded wait: the loop stays responsive to cancellation and updates
-            tickets = await queue.admit.remote(self.rank, cap - len(self.inflight), 5.0, incarnation)
+            tickets = await self._queue_call(queue.admit.remote(self.rank, cap - len(self.inflight), ADMIT_WAIT_S,
+                                                                incarnation), "admit", ADMIT_WAIT_S)
             if not self.inflight:
                 self.stats.idle_seconds += time.perf_counter() - t0
             for group_id, epoch, index, version in tickets:
@@ -323,8 +386,8 @@ class _Session:
             raise RuntimeError(f"no output from the engine in {timeout_s:.0f} s (hung)")
         finally:
             if not task.done():  # a probe must not linger in the request table (drain waits on it)
-                self.tm.abort_request(rid)
-                task.cancel()
+                task.cancel()  # its request is aborted by _request's cancellation handler
+                await asyncio.wait({task}, timeout=1.0)
 
     # ------------------------------------------------------------------ weights
     async def join(self, obj) -> None:
@@ -384,20 +447,23 @@ class _Session:
         self.weights_ready.clear()
         self.updates_started += 1
         self.update_started_at = time.monotonic()
-        if mode == "drain":
-            self.admitting.clear()
-            await self._until_idle()
-        else:
-            await self.tm.pause_generation(PauseGenerationReqInput(mode="retract" if mode == "inflight" else "abort"))
-        try:
+        try:  # everything after the clear: a failed drain or pause must not leave the engine refusing work
+            if mode == "drain":
+                self.admitting.clear()
+                await self._until_idle()
+            else:
+                pause = PauseGenerationReqInput(mode="retract" if mode == "inflight" else "abort")
+                await self.tm.pause_generation(pause)
             await self._load(buckets, group_name, version)
             self.version = version
         finally:
-            if mode != "drain":
-                await self.tm.continue_generation(ContinueGenerationReqInput())
-            self.weights_ready.set()
-            self.admitting.set()
-            self.update_started_at = None
+            try:
+                if mode != "drain":  # also after a failed pause: continuing an engine that is not paused is a no-op
+                    await self.tm.continue_generation(ContinueGenerationReqInput())
+            finally:
+                self.weights_ready.set()
+                self.admitting.set()
+                self.update_started_at = None
         seconds = time.perf_counter() - t0
         self.stats.updates += 1
         self.stats.update_seconds += seconds
@@ -428,9 +494,25 @@ class RolloutWorker:
         self._thread.start()
         self._producer = None
 
-    def _call(self, coro, timeout: float | None = None) -> Any:
-        """Run ``coro`` on the engine loop from any thread and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+    def _call(self, coro, timeout: float, what: str, grace_s: float = CANCEL_GRACE_S) -> Any:
+        """Run ``coro`` on the engine loop from any thread and return its result. On expiry the coroutine is
+        cancelled, which aborts the engine requests it started (``_Session._request``), and TimeoutError names
+        ``what``: a timed-out call does not keep the engine busy behind the caller's back."""
+        finished = threading.Event()
+
+        async def run():
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        future = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            finished.wait(grace_s)  # its requests are aborted and gone from the engine's table
+            raise TimeoutError(f"engine {self.session.rank}: {what}: no result in {timeout:.0f} s") from None
 
     def start(self, queue, address: str, secret: bytes) -> None:
         """Connect to the queue's zmq address (messages signed with the run's ``secret``) and start
@@ -447,13 +529,14 @@ class RolloutWorker:
         if self._producer is not None and self._producer.done():
             raise RuntimeError(f"engine {self.session.rank}: producer ended: {self._producer.exception()!r}")
         try:
-            self._call(self.session.probe(timeout_s), timeout_s + 5)
-        except TimeoutError:  # the engine's event loop itself is stuck (concurrent.futures' timeout)
+            # no grace: the probe aborts its own request, and a stuck loop would not run the cancellation
+            self._call(self.session.probe(timeout_s), timeout_s + 5, "heartbeat", grace_s=0)
+        except TimeoutError:  # the engine's event loop itself is stuck
             raise RuntimeError(f"the engine's event loop did not answer in {timeout_s + 5:.0f} s (hung)") from None
         return self.get_stats()
 
     def leave_weight_group(self, group_name: str) -> None:
-        self._call(self.session.leave(group_name), 60)
+        self._call(self.session.leave(group_name), self.session.cfg.weight_sync.timeout_s, f"leave {group_name}")
 
     def join_weight_group(self, master_addr: str, master_port: int, world_size: int, rank_offset: int,
                           group_name: str, backend: str) -> None:
@@ -461,7 +544,8 @@ class RolloutWorker:
 
         self._call(self.session.join(InitWeightsUpdateGroupReqInput(
             master_address=master_addr, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend)), self.session.cfg.weight_sync.timeout_s)
+            world_size=world_size, group_name=group_name, backend=backend)), self.session.cfg.weight_sync.timeout_s,
+            f"join {group_name}")
 
     def weight_dtype(self) -> str:
         """The dtype this engine holds its weights in, resolved here (the driver may be a CPU-only head that
@@ -478,16 +562,18 @@ class RolloutWorker:
             raise ValueError(f"mode: unknown update mode {mode!r}")
         cfg = self.session.cfg
         drain = cfg.rollout.drain_timeout_s if mode == "drain" else 0.0
-        return self._call(self.session.update(buckets, group_name, version, mode), cfg.weight_sync.timeout_s + drain)
+        return self._call(self.session.update(buckets, group_name, version, mode), cfg.weight_sync.timeout_s + drain,
+                          f"weight update to version {version} (weight_sync.timeout_s)")
 
     def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         """Plain sampling for validation and tests (not admitted through the queue)."""
-        return self._call(self.session.generate(prompts, params), self.session.cfg.logging.val_timeout_s)
+        return self._call(self.session.generate(prompts, params), self.session.cfg.logging.val_timeout_s, "generate")
 
     def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, Any]:
         """This engine's share of a validation (see ``_Session.validate``; ``evaluate.merge_parts`` joins
         the engines' shares)."""
-        return self._call(self.session.validate(rows, k, params), self.session.cfg.logging.val_timeout_s)
+        return self._call(self.session.validate(rows, k, params), self.session.cfg.logging.val_timeout_s,
+                          "validation (logging.val_timeout_s)")
 
     def num_running_requests(self) -> int:
         """Requests the engine is working on right now (tests use it to update mid-generation)."""
@@ -504,6 +590,8 @@ class RolloutWorker:
         for task in list(self.session.inflight):
             self.loop.call_soon_threadsafe(task.cancel)
         self.session._send_pool.shutdown(wait=False, cancel_futures=True)
+        if self.session._scorer is not None:
+            self.session._scorer.close()
         if self.session.sender is not None:
             self.session.sender.close()
         self.loop.call_soon_threadsafe(self.loop.stop)

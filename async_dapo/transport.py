@@ -43,14 +43,40 @@ Limits on hostile or broken input (the receiver never raises on bad input):
     before the HMAC or unpacking and counted as ``rejected_oversized``. A sender given
     ``max_message_bytes`` raises ``OversizedMessage`` instead of sending such a group, so the
     caller can account for it rather than have it vanish at the receiver.
-  - The hard cap (zmq ``MAXMSGSIZE``, default ``max(2 * max_message_bytes, max_message_bytes +
-    1 MiB)``, plus the 32 tag bytes with a secret) bounds memory: zmq refuses to read a larger
-    message and disconnects that peer. That message (and anything else in flight on that
-    connection) is lost and is NOT counted, because zmq reports it to no socket call; the sender
-    reconnects by itself and later messages flow again.
-  - Buffering is bounded by ``rcvhwm`` messages per connected peer (each at most the hard cap), so
-    a flood from a foreign sender costs CPU (one HMAC per frame) but not unbounded memory;
-    PULL fair-queues across peers, so the flood cannot starve the real producers.
+  - The hard cap H (zmq ``MAXMSGSIZE``, default ``max(2 * max_message_bytes, max_message_bytes +
+    1 MiB)``, plus the 32 tag bytes with a secret; ``config.receive_hard_cap``) bounds each message:
+    zmq refuses to read a larger one and disconnects that peer. That message (and anything else in
+    flight on that connection) is lost and is NOT counted, because zmq reports it to no socket
+    call; the sender reconnects by itself and later messages flow again.
+  - Peers: at most ``max_peers`` TCP connections are open at once (the run's: transport.max_peers,
+    None = 2 x placement.num_engines). A ZAP handler (``_PeerGate``, one thread per receiver) answers
+    every new connection after the greeting, before any of its message frames is read; while
+    ``max_peers`` connections are open (admitted ones and ones still in their handshake, the asking one
+    included) it refuses it, and each refusal counts as ``rejected_peers``. libzmq does not retry a
+    refused connection and drops what was queued for it; ``GroupSender`` connects again 0.5-1.5 s later
+    (jittered) from inside its send calls, so a producer gets in once a slot frees. A burst of more
+    than ``max_peers`` simultaneous connections is refused whole and gets in over the next retries.
+    A peer on a dead node (no FIN) frees its slot through TCP keepalive (~60 s idle), not ZMTP
+    heartbeats: those disconnect a live peer whenever we stop reading for longer than their timeout
+    (its PONG waits behind the data we do not read), losing what was in flight.
+  - Bytes, all peers together: every peer's receive HWM is ``rcvhwm = min(100, (budget // H - 1) //
+    max_peers - 3)`` messages, so zmq holds at most ``worst_case_bytes = (max_peers x (rcvhwm + 3) + 1)
+    x H <= receive_budget_bytes`` (``config.receive_hwm``). Per admitted peer: ``rcvhwm`` messages in
+    its pipe; one in its decoder (zmq allocates a message's declared size when it reads its header,
+    and keeps a complete message it could not queue); two copies of the properties of its handshake
+    READY command, a frame of up to H that zmq keeps for the connection's life. Plus the one message
+    ``recv`` is examining. Measured (peers flooding frames of ~H while we do not read): the peak RSS
+    grows by max_peers x (rcvhwm + 1) frames + ~0.5 MiB, and a hand-made READY carrying a 40 MiB
+    property costs 120 MiB at its peak and keeps 80 MiB. The kernel's TCP buffers (several MiB per
+    connection on loopback) hold more, outside the process.
+  - Not bounded by the budget: a connection the gate refuses can, before its answer, make zmq read one
+    frame of up to H (its READY, ~1 H, freed when zmq closes it at the refusal), and the number of
+    connections in their handshake at once is bounded only by the file-descriptor limit (each also
+    holds ~8 KiB until zmq's handshake timeout, 30 s). libzmq producers send a READY of a few bytes.
+  - A flood from a foreign sender that was admitted costs CPU (one HMAC per frame) but not more memory
+    than any peer; PULL fair-queues across peers, so the flood cannot starve the real producers. The
+    NULL mechanism has no credentials, so a foreign host that can reach the port can take peer slots
+    (and so keep producers out): keep the port on the run's network.
   - Inside msgpack, declared lengths are bounded by the message size (see ``async_dapo.wire``),
     so a header claiming a 4-billion-element array fails at once instead of allocating.
   - The receiver binds 127.0.0.1 unless another host is configured explicitly.
@@ -64,28 +90,51 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import random
 import secrets
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
+from async_dapo.config import (
+    RECEIVE_PEER_EXTRA,
+    RECEIVE_TAG_BYTES,
+    receive_budget,
+    receive_hard_cap,
+    receive_hwm,
+    receive_max_peers,
+    receive_min_budget,
+)
 from async_dapo.wire import Group, OversizedMessage, SchemaMismatch, WireError, decode_group, encode_group
 
 if TYPE_CHECKING:
-    from async_dapo.config import TransportConfig
+    from async_dapo.config import Config
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "TAG_BYTES", "GroupReceiver", "GroupSender", "new_secret"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # same default as TransportConfig.max_message_bytes
-_HARD_CAP_HEADROOM = 1024 * 1024
+DEFAULT_MAX_PEERS = 8  # a receiver built by hand; the run's comes from the config (receive_max_peers)
 _COUNTER_NAMES = (
     "received", "rejected_auth", "rejected_malformed", "rejected_oversized", "rejected_schema",
+    "rejected_peers",
 )
 TAG_BYTES = hashlib.sha256().digest_size  # 32: the HMAC-SHA256 tag that leads a signed frame
+assert TAG_BYTES == RECEIVE_TAG_BYTES  # config sizes the run's budget with the same tag
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27), one handler per zmq context
+_ZAP_DOMAIN = b"async_dapo"  # any non-empty domain makes libzmq ask the handler, NULL mechanism included
+_GATE_POLL_MS = 200  # the gate thread re-checks its stop flag at least this often
+_GATE_JOIN_S = 5.0
+_REJOIN_AFTER_S = (0.5, 1.5)  # a refused sender connects again this long (uniform) after the refusal ...
+_REJOIN_CHECK_MS = 100  # ... noticed within this much of a send call's wait
+# A peer on a dead node sends no FIN: the kernel's keepalive probes find it and free its slot (~60 s).
+_KEEPALIVE = {zmq.TCP_KEEPALIVE: 1, zmq.TCP_KEEPALIVE_IDLE: 30, zmq.TCP_KEEPALIVE_INTVL: 10,
+              zmq.TCP_KEEPALIVE_CNT: 3}
 _MIN_SECRET_BYTES = 16  # a shorter key would be the weak link of HMAC-SHA256
 
 
@@ -146,13 +195,18 @@ class GroupSender:
         self.address = address
         self.max_message_bytes = max_message_bytes
         self._secret = _check_secret(secret)
+        self._rejoin_at: float | None = None  # set when the receiver refused us (too many peers)
+        self.refusals = 0  # handshakes the receiver refused
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        self._monitor: zmq.Socket | None = None
         try:
             self._sock.setsockopt(zmq.SNDHWM, hwm)
             self._sock.setsockopt(zmq.LINGER, linger_ms)  # bounded: close() never hangs forever
+            # Read only in this sender's own calls: a refused handshake ends libzmq's endpoint for good.
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self._sock.connect(address)
         except BaseException:
-            self._sock.close(linger=0)
+            self.close()
             raise
 
     def send(self, group: Group, timeout_ms: int | None = None) -> None:
@@ -180,20 +234,53 @@ class GroupSender:
         self._send_frame(data, timeout_ms)
 
     def _send_frame(self, data: bytes, timeout_ms: int | None) -> None:
-        if timeout_ms is None:
-            self._sock.send(data, copy=False)
-            return
-        # poll + NOBLOCK instead of SNDTIMEO: the timeout is per call, not a socket-wide setting.
-        if not self._sock.poll(timeout_ms, zmq.POLLOUT):
-            raise TimeoutError(f"send to {self.address}: not queued within {timeout_ms} ms (HWM reached)")
-        try:
-            self._sock.send(data, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            raise TimeoutError(f"send to {self.address}: not queued within {timeout_ms} ms") from None
+        # poll + NOBLOCK instead of SNDTIMEO: the timeout is per call, not a socket-wide setting; the
+        # poll is sliced so a refused connection is re-made while we wait.
+        deadline = _deadline(timeout_ms)
+        while True:
+            self._rejoin_if_refused()
+            remaining = _remaining_ms(deadline)
+            wait = _REJOIN_CHECK_MS if remaining is None else min(remaining, _REJOIN_CHECK_MS)
+            if self._sock.poll(wait, zmq.POLLOUT):
+                try:
+                    self._sock.send(data, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    pass
+            if remaining is not None and remaining <= wait:
+                refused = " (refused by the receiver: too many peers)" if self._rejoin_at is not None else ""
+                raise TimeoutError(
+                    f"send to {self.address}: not queued within {timeout_ms} ms (HWM reached){refused}"
+                )
+
+    def _rejoin_if_refused(self) -> None:
+        """Connect again 0.5-1.5 s (``_REJOIN_AFTER_S``) after the receiver refused our handshake.
+
+        A refused (ZAP 400) connection is not retried by libzmq, and the messages queued for it are
+        dropped (at-most-once, as on any disconnect); the receiver counts each refusal.
+        """
+        while True:
+            try:
+                recv_monitor_message(self._monitor, zmq.NOBLOCK)  # only HANDSHAKE_FAILED_AUTH is subscribed
+            except zmq.Again:
+                break
+            if self._rejoin_at is None:
+                # Jittered: senders refused together (a burst of connections) must not retry together.
+                delay = random.uniform(*_REJOIN_AFTER_S)
+                self._rejoin_at = time.monotonic() + delay
+                self.refusals += 1
+                level = logging.WARNING if self.refusals == 1 else logging.DEBUG  # it retries every second
+                log.log(level, "receiver %s refused this sender (too many peers); connecting again in %.1f s",
+                        self.address, delay)
+        if self._rejoin_at is not None and time.monotonic() >= self._rejoin_at:
+            self._rejoin_at = None
+            self._sock.connect(self.address)
 
     def close(self) -> None:
         if not self._sock.closed:
-            self._sock.close()
+            self._sock.close()  # stops the monitor too
+        if self._monitor is not None and not self._monitor.closed:
+            self._monitor.close(linger=0)
 
     def __enter__(self) -> GroupSender:
         return self
@@ -202,11 +289,118 @@ class GroupSender:
         self.close()
 
 
+class _PeerGate:
+    """ZAP handler of one receiver: admits a connection only while at most ``max_peers`` are open.
+
+    libzmq asks it (over ``inproc://zeromq.zap.01`` of the receiver's own context) about every new
+    connection after the greeting and before any message frame is read; "400" makes libzmq send the
+    ZMTP ERROR command and close the connection (the peer's libzmq then gives that endpoint up: see
+    ``GroupSender._rejoin_if_refused``). Open connections are tracked by fd from the socket
+    monitor (ACCEPTED / DISCONNECTED; libzmq emits DISCONNECTED for every engine that ends, refused
+    ones included). The count includes connections still in their handshake, the asking one among
+    them, so it never undercounts admitted peers: admitted <= open <= max_peers at every admission.
+    ``pyzmq.auth`` authenticators only know address allow/deny lists and credentials, no count.
+
+    One daemon thread owns both sockets after ``start``; it stops when the monitored socket closes
+    (MONITOR_STOPPED) or on ``stop``, and never blocks longer than ``_GATE_POLL_MS`` per poll.
+    """
+
+    def __init__(self, ctx: zmq.Context, pull: zmq.Socket, max_peers: int, counts: dict[str, int]) -> None:
+        self.max_peers = max_peers
+        self._counts = counts  # this thread is the only writer of counts["rejected_peers"]
+        self._open: set[int] = set()
+        self._stop = threading.Event()
+        self._warned = False
+        self._zap = ctx.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        try:
+            self._zap.bind(_ZAP_ENDPOINT)  # before the PULL binds: no connection may skip the gate
+            events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+            self._monitor = pull.get_monitor_socket(events)
+        except BaseException:
+            self._zap.close(linger=0)
+            raise
+        self._thread = threading.Thread(target=self._run, name="zmq-peer-gate", daemon=True)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    def start(self) -> None:
+        self._thread.start()  # hands both sockets to the thread (Thread.start is a memory barrier)
+
+    def stop(self) -> bool:
+        """Ask the thread to end and wait (bounded); True once it has closed its sockets."""
+        self._stop.set()
+        if self._thread.ident is None:  # never started: the sockets are still this thread's
+            self._monitor.close(linger=0)
+            self._zap.close(linger=0)
+            return True
+        self._thread.join(_GATE_JOIN_S)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._zap, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(_GATE_POLL_MS))
+                if self._monitor in ready and not self._track():
+                    return  # the receiver's socket is closed
+                if self._zap in ready:
+                    self._answer(self._zap.recv_multipart(zmq.NOBLOCK))
+        except zmq.ZMQError as exc:  # only a context torn down under us; nothing to serve any more
+            log.debug("peer gate stopped: %s", exc)
+        finally:
+            self._monitor.close(linger=0)
+            self._zap.close(linger=0)
+
+    def _track(self) -> bool:
+        """Apply every queued monitor event; False once the monitor stopped."""
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._open.add(event["value"])
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._open.discard(event["value"])
+            elif event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                return False
+
+    def _answer(self, request: list[bytes]) -> None:
+        # The asking connection's ACCEPTED was queued before its engine started (one I/O thread), so
+        # draining the monitor first makes it part of the count.
+        self._track()
+        if len(request) < 6 or request[0] != b"1.0":
+            status, text = b"400", b"malformed ZAP request"
+        elif len(self._open) <= self.max_peers:
+            status, text = b"200", b"OK"
+        else:
+            status, text = b"400", b"too many peers"
+            self._refused(request[3])
+        request_id = request[1] if len(request) > 1 else b""
+        self._zap.send_multipart([b"1.0", request_id, status, text, b"", b""])
+
+    def _refused(self, address: bytes) -> None:
+        self._counts["rejected_peers"] += 1
+        # One warning, then debug: a refused GroupSender connects again every 0.5-1.5 s while it sends.
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        log.log(level, "refused a connection from %s: %d connections open, max_peers %d",
+                address.decode(errors="replace"), len(self._open), self.max_peers)
+
+
 class GroupReceiver:
     """PULL side: the replay queue binds one and receives valid groups from every sender.
 
     ``recv``/``arecv`` return only valid groups; everything else is dropped and counted in
     ``counters`` (the last reason is in ``last_error``), and neither ever raises on bad input.
+    At most ``max_peers`` connections are admitted; zmq buffers at most ``worst_case_bytes`` for
+    all of them together (<= ``receive_budget_bytes``, see the module docstring). Each receiver owns
+    its zmq context: the ZAP handler that enforces ``max_peers`` is one per context.
     """
 
     def __init__(
@@ -217,8 +411,8 @@ class GroupReceiver:
         *,
         secret: bytes | None = None,
         hard_cap_bytes: int | None = None,
-        rcvhwm: int = 100,
-        context: zmq.Context | None = None,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        receive_budget_bytes: int | None = None,
     ) -> None:
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
@@ -226,36 +420,75 @@ class GroupReceiver:
         self._secret = _check_secret(secret)
         # Frame bytes beyond the payload: a payload of exactly max_message_bytes must still fit.
         self._overhead = TAG_BYTES if self._secret is not None else 0
-        default_cap = max(2 * max_message_bytes, max_message_bytes + _HARD_CAP_HEADROOM) + self._overhead
-        self.hard_cap_bytes = hard_cap_bytes or default_cap
+        self.hard_cap_bytes = hard_cap_bytes or receive_hard_cap(max_message_bytes, self._overhead)
         if self.hard_cap_bytes < max_message_bytes + self._overhead:
             raise ValueError("hard_cap_bytes must be >= max_message_bytes (+ the HMAC tag with a secret)")
+        self._size_buffers(max_peers, receive_budget_bytes)
         self._counts = dict.fromkeys(_COUNTER_NAMES, 0)
         self._warned: set[str] = set()
         self.last_error: str | None = None
         self._async_sock: zmq.asyncio.Socket | None = None
-        self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
+        self._gate: _PeerGate | None = None
+        self._ctx = zmq.Context()  # one I/O thread: the gate relies on its event order
+        self._sock = self._ctx.socket(zmq.PULL)
         try:
-            self._sock.setsockopt(zmq.LINGER, 0)  # nothing to flush on a PULL socket
-            # rcvhwm x peers x message size bounds what zmq buffers on our side.
-            self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, self.hard_cap_bytes)
-            if ":" in bind_host:
-                self._sock.setsockopt(zmq.IPV6, 1)
-            if port == 0:
-                self.port = self._sock.bind_to_random_port(_tcp_endpoint(bind_host))
-            else:
-                self._sock.bind(_tcp_endpoint(bind_host, port))
-                self.port = port
+            self._configure()
+            self._gate = _PeerGate(self._ctx, self._sock, max_peers, self._counts)
+            self._gate.start()
+            self.port = self._bind(bind_host, port)
         except BaseException:
-            self._sock.close(linger=0)
+            self.close()
             raise
         self.bind_host = bind_host
         self.address = _tcp_endpoint(bind_host, self.port)
 
+    def _size_buffers(self, max_peers: int, budget: int | None) -> None:
+        """Per-peer receive HWM from the budget (see the module docstring for what zmq holds)."""
+        if max_peers < 1:
+            raise ValueError(f"max_peers must be >= 1, got {max_peers}")
+        cap = self.hard_cap_bytes
+        self.max_peers = max_peers
+        self.receive_budget_bytes = receive_budget(budget, max_peers, cap)
+        self.rcvhwm = receive_hwm(self.receive_budget_bytes, max_peers, cap)
+        if self.rcvhwm < 1:
+            raise ValueError(
+                f"receive_budget_bytes ({self.receive_budget_bytes}) must be >= (4 x max_peers {max_peers} + 1) x "
+                f"hard cap {cap} = {receive_min_budget(max_peers, cap)}"
+            )
+        # Per peer: its pipe, its decoder, its handshake properties; + the message recv is examining.
+        self.worst_case_bytes = (max_peers * (self.rcvhwm + RECEIVE_PEER_EXTRA) + 1) * cap
+
+    def _configure(self) -> None:
+        sock = self._sock
+        sock.setsockopt(zmq.LINGER, 0)  # nothing to flush on a PULL socket
+        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.hard_cap_bytes)
+        sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+        # Refuse (rather than admit unchecked) if the gate's handler were ever missing.
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        for option, value in _KEEPALIVE.items():
+            sock.setsockopt(option, value)
+
+    def _bind(self, bind_host: str, port: int) -> int:
+        if ":" in bind_host:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        if port == 0:
+            return self._sock.bind_to_random_port(_tcp_endpoint(bind_host))
+        self._sock.bind(_tcp_endpoint(bind_host, port))
+        return port
+
     @classmethod
-    def from_config(cls, cfg: TransportConfig, **kwargs: Any) -> GroupReceiver:
-        return cls(cfg.bind_host, cfg.port, cfg.max_message_bytes, **kwargs)
+    def from_config(cls, cfg: Config, **kwargs: Any) -> GroupReceiver:
+        """The run's receiver: transport.* with max_peers resolved (None = 2 x placement.num_engines)."""
+        t = cfg.transport
+        return cls(t.bind_host, t.port, t.max_message_bytes,
+                   max_peers=receive_max_peers(t.max_peers, cfg.placement.num_engines),
+                   receive_budget_bytes=t.receive_budget_bytes, **kwargs)
+
+    @property
+    def open_connections(self) -> int:
+        """TCP connections now open (admitted or still in their handshake), as the gate counts them."""
+        return self._gate.open_connections
 
     @property
     def counters(self) -> dict[str, int]:
@@ -355,10 +588,16 @@ class GroupReceiver:
                 return group
 
     def close(self) -> None:
+        if self._ctx.closed:
+            return
         if self._async_sock is not None and not self._async_sock.closed:
             self._async_sock.close(linger=0)  # also closes the shared zmq socket
         if not self._sock.closed:
-            self._sock.close(linger=0)
+            self._sock.close(linger=0)  # the monitor reports MONITOR_STOPPED: the gate thread ends
+        if self._gate is None or self._gate.stop():
+            self._ctx.term()  # every socket of it is closed: returns at once
+        else:  # term() would wait for the gate's sockets forever
+            log.error("zmq peer gate thread did not stop within %.0f s; its context is left open", _GATE_JOIN_S)
 
     def __enter__(self) -> GroupReceiver:
         return self

@@ -190,7 +190,7 @@ class Sample:
     versions: np.ndarray  # int32 [L] policy version that produced each token
     reward: float  # shaped reward: score + overlong penalty
     score: float  # raw correctness score (+1 / -1)
-    acc: bool  # answer judged correct (dynamic sampling filters on this, not the reward)
+    acc: bool  # answer judged correct (what dynamic sampling filters on with its default metric, acc)
     truncated: bool  # hit max_response_length
     finish_reason: str
     gen_seconds: float  # wall time from request to completion
@@ -291,6 +291,16 @@ class Group:
     @property
     def accuracies(self) -> tuple[bool, ...]:
         return tuple(s.acc for s in self.samples)
+
+    @property
+    def scores(self) -> tuple[float, ...]:
+        """Per-sample reward-function scores (dynamic-sampling metric ``score``)."""
+        return tuple(s.score for s in self.samples)
+
+    @property
+    def rewards(self) -> tuple[float, ...]:
+        """Per-sample shaped rewards, score + overlong penalty (metrics ``seq_reward``, ``seq_final_reward``)."""
+        return tuple(s.reward for s in self.samples)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Group):

@@ -17,7 +17,7 @@ CPU_CONFIG = REPO / "configs" / "tiny_cpu.yaml"
 def cpu_config():
     from async_dapo.config import load_config
 
-    # The cache lives in the repo's runs/ (ignored by git) so CI builds it once per clone.
+    # The default model ships in models/tiny_cpu (a cache hit: same weights on every machine).
     return load_config(CPU_CONFIG)
 
 

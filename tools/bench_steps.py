@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/tiny_cpu.yaml", help="relative to each variant's tree")
     ap.add_argument("--variant", action="append", required=True)
     ap.add_argument("--common", action="append", default=[], metavar="A.B=C", help="override for every variant")
-    ap.add_argument("--model", type=Path, default=Path("runs/tiny_model"))
+    ap.add_argument("--model", type=Path, default=Path("models/tiny_cpu"))
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2)

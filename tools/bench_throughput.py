@@ -226,7 +226,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CI-size smoke: eta 0 and 2, B = 16, 6 steps")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode (default 60; quick 6)")
     ap.add_argument("--warmup", type=int, default=None, help="steps (and role batches) discarded (10; quick 2)")
-    ap.add_argument("--model", type=Path, default=Path("runs/tiny_model"), help="built by `async-dapo bootstrap`")
+    ap.add_argument("--model", type=Path, default=Path("models/tiny_cpu"),
+                    help="the shipped warm start, or one built by `async-dapo bootstrap`")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C")
     ap.add_argument("--out", type=Path, default=Path("runs/bench_throughput"))
     ap.add_argument("--resume", action="store_true", help="reuse modes whose run finished earlier")

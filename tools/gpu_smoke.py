@@ -48,7 +48,8 @@ weight_push  A receiver PROCESS (multiprocessing spawn, not Ray) joins the weigh
              tensors exactly as SGLang's ``load_format="flattened_bucket"`` does
              (``FlattenedTensorBucket.empty`` + ``reconstruct_tensors``: byte offsets in plan order,
              ``.view(dtype).reshape(shape)``), and compares each with the expected full weight (written by
-             this driver as safetensors before the push) byte for byte. The learner side:
+             this driver as safetensors before the push) byte for byte; both sides also put a sha256 of
+             the bytes in plan order in the JSON (``expected_sha256``, ``receiver.sha256``). The learner side:
              ``open_weight_group(addr, port, 2, name, dtype="bfloat16")``, ``push_weights([], None,
              version)``, ``wait_push()``. Needs >= 2 buckets. One GPU cannot hold two NCCL ranks ("Duplicate
              GPU detected"), so with one GPU the weight group is gloo (the learner's CUDA tensors go through
@@ -462,18 +463,22 @@ def flat_cosine(a: dict, b: dict, device: str) -> dict[str, Any]:
     if sorted(b) != keys:
         raise RuntimeError(f"gradient names differ: {sorted(set(a) ^ set(b))[:5]}")
     dot = na = nb = 0.0
+    max_diff = max_fp32 = 0.0
     worst = (2.0, "")
     dev = "cuda" if device == "cuda" else "cpu"
     for k in keys:
         x, y = a[k].to(dev, torch.float64).reshape(-1), b[k].to(dev, torch.float64).reshape(-1)
         xy, xx, yy = (x @ y).item(), (x @ x).item(), (y @ y).item()
         dot, na, nb = dot + xy, na + xx, nb + yy
+        max_diff = max(max_diff, (x - y).abs().max().item() if x.numel() else 0.0)
+        max_fp32 = max(max_fp32, y.abs().max().item() if y.numel() else 0.0)
         if xx > 0 and yy > 0:
             worst = min(worst, (xy / math.sqrt(xx * yy), k))
     cos = dot / math.sqrt(na * nb) if na > 0 and nb > 0 else float("nan")
     return {"cosine": cos, "norm_bf16": math.sqrt(na), "norm_fp32": math.sqrt(nb),
             "norm_ratio_bf16_over_fp32": math.sqrt(na / nb) if nb > 0 else float("nan"),
-            "worst_tensor_cosine": worst[0], "worst_tensor": worst[1], "tensors": len(keys)}
+            "worst_tensor_cosine": worst[0], "worst_tensor": worst[1], "tensors": len(keys),
+            "max_abs_diff": max_diff, "max_abs_fp32": max_fp32}
 
 
 def check_memory(report: Report, worker, base_cfg, preset: dict, device: str, vocab: int) -> None:
@@ -546,7 +551,10 @@ def push_receiver(addr: str, port: int, name: str, backend: str, timeout_s: floa
     bucket, split like SGLang's flattened_bucket, compared byte for byte with ``expected``."""
     if forbid:
         sys.meta_path.insert(0, ForbidImports())
+    import hashlib
+
     out: dict[str, Any] = {"ok": False, "buckets": 0, "tensors": 0, "bytes": 0, "mismatched": [], "missing": []}
+    digest = hashlib.sha256()  # over every received byte, in plan order: the driver hashes what it expects
     t0 = time.perf_counter()
     try:
         import torch
@@ -577,6 +585,7 @@ def push_receiver(addr: str, port: int, name: str, backend: str, timeout_s: floa
             out["buckets"] += 1
             out["bytes"] += offset
             flat = flat.cpu()
+            digest.update(flat.numpy().tobytes())
             for n, dtype, shape, start, end in meta:  # FlattenedTensorBucket.reconstruct_tensors
                 got = flat[start:end].view(dtype).reshape(shape)
                 out["tensors"] += 1
@@ -591,6 +600,7 @@ def push_receiver(addr: str, port: int, name: str, backend: str, timeout_s: floa
             close_update_group(pg)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    out["sha256"] = digest.hexdigest()
     out["seconds"] = round(time.perf_counter() - t0, 3)
     out["mismatched"] = out["mismatched"][:20]
     Path(result).write_text(json.dumps(out))
@@ -599,6 +609,7 @@ def push_receiver(addr: str, port: int, name: str, backend: str, timeout_s: floa
 
 
 def check_push(report: Report, worker, cfg, device: str, work: Path, watchdog: Watchdog, forbid: bool) -> None:
+    import hashlib
     import multiprocessing as mp
 
     import torch
@@ -627,6 +638,11 @@ def check_push(report: Report, worker, cfg, device: str, work: Path, watchdog: W
     t0 = time.perf_counter()
     with torch.no_grad():
         expected = {sglang_name(n): full(p).detach().to(dtype).cpu().contiguous() for n, p in named}
+    digest = hashlib.sha256()  # the learner's weights as the receiver must see them: plan order, back to back
+    for names, _, _ in plan:
+        for n in names:
+            digest.update(expected[n].view(torch.uint8).numpy().tobytes())
+    c["expected_sha256"] = digest.hexdigest()
     expected_path, result_path = work / "expected_weights.safetensors", work / "push_result.json"
     save_file(expected, str(expected_path))
     del expected
@@ -839,6 +855,9 @@ def main(argv: list[str] | None = None) -> int:
                          grad_norm_saved_run=dcp_expected["grad_norm"], grad_norm_resumed=got["grad_norm"],
                          version=got["version"], saved_version=dcp_expected["saved_version"],
                          optimizer_tensors=len(state["optimizer"]),
+                         # the fingerprints compared above, so a reader can check them without the flags
+                         state_saved_run=dcp_expected["state"], state_resumed=state,
+                         next_state_saved_run=dcp_expected["next_state"], next_state_resumed=got["next_state"],
                          deterministic_algorithms="warn_only" if det_mode.get("warn_only") else "strict",
                          strict_error=det_mode.get("strict_error"),
                          save_s=round(dcp_expected["save_s"], 3), load_s=round(load_s, 3),

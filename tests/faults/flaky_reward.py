@@ -1,7 +1,7 @@
 """A reward function (verl's custom_reward_function signature) that raises for a fraction of calls: the
 fault-injection tests use it to fail groups in the real rollout actors' scoring path. The fraction is read
 from the environment (ASYNC_DAPO_TEST_FAIL_FRACTION, default 0.05 per sample, i.e. ~34% of 8-sample
-groups); the draws come from Python's ``random``, which each rollout actor seeds from logging.seed."""
+groups); the draws come from Python's ``random``, which each reward worker process seeds from logging.seed and its engine rank."""
 
 import os
 import random

@@ -29,7 +29,7 @@ def cfg(tiny_model):
     return load_config(CPU_CONFIG, [
         f"model.path={tiny_model}", "rollout.n=4", "algorithm.train_batch_groups=4",
         "learner.mini_batch_groups=4", "replay.max_staleness=1", "rollout.max_inflight_prompts=8",
-        "rollout.engine.context_length=512",
+        "rollout.engine.context_length=512", "logging.val_timeout_s=3",
     ])
 
 
@@ -91,7 +91,7 @@ def test_actor_streams_groups_into_queue(system, cfg):
     stats = ray.get(queue.stats.remote())
     assert stats["accepted"] >= 4
     assert stats["received"] == stats["accepted"] + stats["dropped_all_correct"] + stats["dropped_all_wrong"] \
-        + stats["dropped_stale"]
+        + stats["dropped_uniform"] + stats["dropped_stale"]
     assert stats["dropped_all_correct"] + stats["dropped_all_wrong"] > 0  # level mix makes uniform groups
     # Admission bound (AReaL): the actor never admits past (eta + version + 1) * B prompts.
     stats = ray.get(queue.stats.remote())
@@ -173,3 +173,25 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
     ref = _hf_logprobs(new_state, tiny_model, prompts[0], fresh["output_ids"])
     got = torch.tensor([lp for lp, *_ in fresh["meta_info"]["output_token_logprobs"]])
     assert (ref - got).abs().max().item() < TOL
+
+
+def test_a_timed_out_validation_leaves_the_engine_idle(system, cfg):
+    """RolloutWorker._call: a validation past logging.val_timeout_s (3 s here; this one needs minutes) is
+    cancelled on the engine loop and its SGLang requests aborted: right after the TimeoutError the engine
+    runs nothing (before, it went on generating behind the caller's back)."""
+    import ray
+
+    _, actor, _ = system
+    deadline = time.time() + 120  # the producer of the first test may still finish its last admitted groups
+    while ray.get(actor.num_running_requests.remote(), timeout=60) and time.time() < deadline:
+        time.sleep(0.2)
+    rows = train_rows(cfg)[:64]
+    params = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+    t0 = time.time()
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"validation \(logging.val_timeout_s\): no result in 3 s"):
+        ray.get(actor.validate.remote(rows, 16, params), timeout=120)
+    assert time.time() - t0 < 30
+    assert ray.get(actor.num_running_requests.remote(), timeout=60) == 0
+    # and the actor serves again at once: a short request is answered well within its bound
+    out = ray.get(actor.validate.remote(rows[:2], 2, {"max_new_tokens": 4, "temperature": 1.0}), timeout=60)
+    assert len(out["scores"]) == 2

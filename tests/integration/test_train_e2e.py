@@ -76,10 +76,42 @@ def test_async_run_end_to_end(tiny_model, tmp_path):
     assert not missing, missing
 
 
+def _started_processes(driver: int, run_dir: Path) -> dict[int, str]:
+    """Every process the run started, by PID: the driver's descendants (the Ray instance it started, every
+    actor's worker process, the engines' scheduler and detokenizer), checked against actors.json so that
+    the roles the run reports are really among them."""
+    import psutil
+
+    procs = {p.pid: " ".join(p.cmdline()[:3]) for p in psutil.Process(driver).children(recursive=True)}
+    actors = json.loads((run_dir / "actors.json").read_text())
+    roles = [actors["rollout"]["0"], actors["learner"]["0"], actors["replay"]]
+    assert all(pid in procs for pid in roles), (roles, procs)
+    engine_children = psutil.Process(actors["rollout"]["0"]).children(recursive=True)
+    assert len(engine_children) >= 2, engine_children  # SGLang's scheduler and detokenizer
+    assert any("gcs_server" in cmd for cmd in procs.values()) and any("raylet" in cmd for cmd in procs.values())
+    return procs
+
+
+def _assert_gone(procs: dict[int, str], within_s: float = 60.0) -> None:
+    import psutil
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.time() + within_s
+    while (left := {pid: cmd for pid, cmd in procs.items() if alive(pid)}) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not left, f"still running after SIGTERM: {left}"
+
+
 def test_kill_after_checkpoint_then_resume_gives_same_next_step_loss(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    # Run 1 checkpoints every 2 steps and records every batch it trains on; it is killed (SIGTERM, to
-    # the process group we started) once it has trained at least one step past a checkpoint.
+    # Run 1 checkpoints every 2 steps and records every batch it trains on; it is stopped (SIGTERM to the
+    # driver alone: its own shutdown must end everything it started) once it has trained at least one step
+    # past a checkpoint.
     cmd = _train_cmd(run_dir, "--set", "learner.total_steps=60", "--set", "checkpoint.every_steps=2",
                      "--set", "checkpoint.keep_last=100", "--set", "logging.val_every_steps=0",
                      "--set", "logging.record_batches=true")
@@ -90,9 +122,15 @@ def test_kill_after_checkpoint_then_resume_gives_same_next_step_loss(tiny_model,
                 (run_dir / "metrics.jsonl").exists() and len(_steps(run_dir)) >= 3):
             time.sleep(0.5)
         assert proc.poll() is None, "run 1 ended early"
+        started = _started_processes(proc.pid, run_dir)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=180)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
+        if proc.poll() is None:  # only if the test failed before or while stopping it: its whole group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == 130  # SIGTERM takes the Ctrl-C path: every actor and engine shut down
+    _assert_gone(started)
     logged = {int(m["train/version"]): m for m in _steps(run_dir)}
     done = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")
                   if (p / "meta.json").exists())

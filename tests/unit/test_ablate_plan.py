@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from async_dapo.config import dump_config, load_config
+from async_dapo.config import dump_config, load_config, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -22,13 +22,29 @@ def _cfg(sets):
     return load_config(CONFIG, [*ablate.VAL, *sets])
 
 
+def _assert_applied(cfg, overrides):
+    """Each override's value (the last one per key wins, as in load_config) is what the loaded config holds:
+    a cell whose override were lost (shadowed by a later one, or reset by a validator) would fail here."""
+    want = dict(parse_override(text) for text in overrides)
+    dumped = cfg.model_dump(mode="json")
+    for key, value in want.items():
+        got = dumped
+        for part in key.split("."):
+            got = got[part]
+        if isinstance(got, float) and not isinstance(value, bool):
+            value = float(value)  # "0.2" arrives as a float, "1" for a float field as an int
+        assert got == value, (key, got, value)
+
+
 @pytest.mark.parametrize("study", sorted(ablate.STUDIES))
 @pytest.mark.parametrize("preset", ["quick", "full", "grid"])
 def test_every_cell_of_every_preset_loads(study, preset):
     cells, presets = ablate.STUDIES[study]
     p = presets[preset]
+    assert p.cells  # a preset without cells would pass the loop below vacuously
     for name in p.cells:
-        _cfg([*p.extra, *cells(64)[name]])  # raises ConfigError naming the field on a bad override
+        overrides = [*ablate.VAL, *p.extra, *cells(64)[name]]
+        _assert_applied(_cfg([*p.extra, *cells(64)[name]]), overrides)  # ConfigError names a bad field
 
 
 def test_staleness_cells_set_eta_correction_and_the_admission_window():

@@ -324,6 +324,29 @@ def test_checkpoint_every_steps_may_be_zero():
     assert load_config(None, ["checkpoint.every_steps=0"]).checkpoint.every_steps == 0
 
 
+def _yaml_leaves(tree, prefix=""):
+    """(dotted key, value) of every leaf of a parsed YAML mapping."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _yaml_leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 @pytest.mark.parametrize("path", sorted(CPU_CONFIG.parent.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_yaml_in_configs_loads(path):
-    load_config(path)
+def test_every_yaml_in_configs_loads(path, tmp_path):
+    cfg = load_config(path)
+    # Every value the file sets is the value the run gets (nothing dropped, renamed or reset by a validator) ...
+    dumped = cfg.model_dump(mode="json")
+    leaves = list(_yaml_leaves(yaml.safe_load(path.read_text())))
+    assert leaves, path  # an empty file would check nothing below
+    for key, value in leaves:
+        got = dumped
+        for part in key.split("."):
+            got = got[part]
+        if isinstance(got, float) and not isinstance(value, bool):
+            value = float(value)  # YAML reads "1e-4" as a string and "1" as an int; the field is a float
+        assert got == value, (key, got, value)
+    # ... and the resolved config written out (what a run records) loads back to the same config.
+    dump_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg

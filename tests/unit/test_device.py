@@ -49,12 +49,30 @@ def test_stand_in_raises_naming_itself_and_logs(tmp_path):
     assert log.read_text() == "sgl_kernel.rmsnorm_cpu\n"
 
 
-def test_resolve_device():
+def test_resolve_device_follows_what_torch_sees(monkeypatch):
+    # Both answers of torch.cuda.is_available are forced, so every branch is checked on any machine (the
+    # old version asserted only "cpu" -> "cpu" on a machine with a GPU).
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device.resolve_device("cpu") == "cpu"
-    if not __import__("torch").cuda.is_available():
-        assert device.resolve_device("auto") == "cpu"
-        with pytest.raises(RuntimeError, match="cuda"):
-            device.resolve_device("cuda")
+    assert device.resolve_device("auto") == "cpu"
+    with pytest.raises(RuntimeError, match="device 'cuda' requested but torch sees no CUDA device"):
+        device.resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device.resolve_device("auto") == "cuda"
+    assert device.resolve_device("cuda") == "cuda"
+    assert device.resolve_device("cpu") == "cpu"  # an explicit cpu stays cpu on a GPU machine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA: torch sees no GPU here")
+def test_resolve_device_on_a_real_gpu():
+    # Unpatched: on a CUDA machine 'auto' must pick the GPU, and that GPU must take a tensor.
+    import torch
+
+    assert device.resolve_device("auto") == "cuda"
+    assert torch.ones(2, device=device.resolve_device("cuda")).sum().item() == 2.0
 
 
 def test_engine_sleeps_when_idle_on_cpu_only_unless_configured(monkeypatch):
@@ -97,14 +115,39 @@ def test_engine_starts_on_its_first_assigned_gpu_when_ray_does_not_set_visibilit
     assert "base_gpu_id" not in engine.engine_kwargs(ec, "/m")
 
 
-def test_a_cpu_only_driver_can_declare_gpu_actors():
+def test_a_cpu_only_driver_can_declare_gpu_actors(monkeypatch):
     """The driver (e.g. a CPU-only head node) never resolves the actors' device: declaring CUDA engines
-    and learners from the 32B config must not ask this machine's torch for a GPU."""
+    and learners from the 32B config must not ask this machine's torch for a GPU, and the actor classes must
+    ask Ray for the config's resources."""
+    import ray.actor
+    import torch
+
     from async_dapo.config import load_config
     from async_dapo.learner import learner_actor_class
     from async_dapo.rollout import rollout_actor_class
     from tests.conftest import REPO
 
+    def no_gpu_question(*_a, **_k):
+        raise AssertionError("the driver asked torch about CUDA")
+
+    for name in ("is_available", "device_count", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, no_gpu_question)
+    asked: list[tuple[str, dict]] = []
+    real_options = ray.actor.ActorClass.options
+
+    def recording_options(self, **options):  # Ray's own options() still validates them
+        asked.append((self.__ray_metadata__.class_name, options))
+        return real_options(self, **options)
+
+    monkeypatch.setattr(ray.actor.ActorClass, "options", recording_options)
+
     cfg = load_config(REPO / "configs" / "dapo_qwen2.5_32b_16x8.yaml")
+    assert cfg.rollout.engine.device == "cuda"
     rollout_actor_class(cfg)
     learner_actor_class(cfg)
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}}
+    # configs/dapo_qwen2.5_32b_16x8.yaml: engines of 8 CPUs and 4 GPUs (tp 4), learners of 8 CPUs and 1 GPU.
+    assert asked == [
+        ("RolloutWorker", {"num_cpus": 8, "num_gpus": 4, "max_concurrency": 8, "runtime_env": env}),
+        ("LearnerWorker", {"num_cpus": 8, "num_gpus": 1, "runtime_env": env}),
+    ]

@@ -98,3 +98,13 @@ def test_validation_scores_with_the_runs_reward_function():
 
     scores = prompt_scores([["abc", "ab", "abc"]], [_row("3", q="a")], length_reward)
     assert scores == [(2 / 3, 1.0, 0.0)]  # no pred: no majority vote
+
+
+def test_validation_uses_verls_reward_by_default_and_the_runs_reward_section():
+    from async_dapo.config import RewardConfig
+    from async_dapo.reward import load_score_fn
+
+    texts, rows = [["so \\boxed{7}", "Answer: 7"]], [_row("7", q="a")]
+    assert prompt_scores(texts, rows) == [(0.5, 1.0, 1.0)]  # verl's math_dapo: no Answer line -> wrong
+    boxed = load_score_fn(RewardConfig(boxed_fallback="exact"))
+    assert prompt_scores(texts, rows, boxed) == [(1.0, 1.0, 1.0)]

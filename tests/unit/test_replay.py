@@ -23,9 +23,14 @@ from async_dapo.replay import (
     DROPPED_ALL_CORRECT,
     DROPPED_ALL_WRONG,
     DROPPED_STALE,
+    DROPPED_UNIFORM,
+    FILTER_METRICS,
     FREES_ADMISSION,
+    OUTCOMES,
     FakeVersionSource,
     ReplayPolicy,
+    keeps_group,
+    metric_values,
 )
 
 MIXED = (True, False)
@@ -39,14 +44,18 @@ class Grp:
     group_id: str
     min_version: int
     accuracies: tuple[bool, ...] = MIXED
+    scores: tuple[float, ...] = ()  # reward-function scores (metric score)
+    rewards: tuple[float, ...] = ()  # score + overlong penalty (metrics seq_reward, seq_final_reward)
 
 
-def grp(min_version: int = 0, accuracies: tuple[bool, ...] = MIXED) -> Grp:
-    return Grp(f"g{next(_ids)}", min_version, accuracies)
+def grp(min_version: int = 0, accuracies: tuple[bool, ...] = MIXED, scores=None, rewards=None) -> Grp:
+    """Scores default to the built-in reward's +1/-1, rewards to the scores (no overlong penalty)."""
+    scores = tuple(1.0 if a else -1.0 for a in accuracies) if scores is None else tuple(scores)
+    return Grp(f"g{next(_ids)}", min_version, accuracies, scores, scores if rewards is None else tuple(rewards))
 
 
 def make(
-    *, b: int, eta: int, capacity: int | None = None, ds: bool = True, start: int = 0
+    *, b: int, eta: int, capacity: int | None = None, ds: bool = True, start: int = 0, metric: str = "acc"
 ) -> tuple[ReplayPolicy[Grp], FakeVersionSource]:
     versions = FakeVersionSource(start)
     policy: ReplayPolicy[Grp] = ReplayPolicy(
@@ -55,6 +64,7 @@ def make(
         capacity=(eta + 1) * b if capacity is None else capacity,
         dynamic_sampling=ds,
         versions=versions,
+        filter_metric=metric,
     )
     return policy, versions
 
@@ -214,6 +224,126 @@ def test_arrival_errors_change_nothing():
     assert policy.stats.received == 0 and policy.stats.running == 1
 
 
+# ------------------------------------------------------------------- dynamic-sampling metrics
+# verl's algorithm.filter_groups.metric: keep a group iff its per-sample values are not all equal.
+# Per sample: acc -> acc, score -> score, seq_reward / seq_final_reward -> reward (score + overlong
+# penalty; no KL term in the reward here). Overlong penalty with L_max 20, L_cache 4, factor 1:
+# length 17 -> (16 - 17) / 4 = -0.25, length 20 -> -1.
+METRIC_CASES = [
+    # (accuracies, scores, rewards, {metric: outcome})
+    # All correct, one sample 17 tokens long: rewards 1.0 and 1 - 0.25 = 0.75 differ.
+    ((True, True), (1.0, 1.0), (1.0, 0.75),
+     {"acc": DROPPED_ALL_CORRECT, "score": DROPPED_ALL_CORRECT, "seq_reward": ACCEPTED, "seq_final_reward": ACCEPTED}),
+    # All wrong, one at L_max: rewards -1 and -1 - 1 = -2.
+    ((False, False), (-1.0, -1.0), (-1.0, -2.0),
+     {"acc": DROPPED_ALL_WRONG, "score": DROPPED_ALL_WRONG, "seq_reward": ACCEPTED, "seq_final_reward": ACCEPTED}),
+    # Mixed, but the right answer is at L_max with penalty factor 2: 1 - 2 = -1 = the wrong one's -1 + 0.
+    ((True, False), (1.0, -1.0), (-1.0, -1.0),
+     {"acc": ACCEPTED, "score": ACCEPTED, "seq_reward": DROPPED_UNIFORM, "seq_final_reward": DROPPED_UNIFORM}),
+    # A user's graded score: all "correct" (score > 0) but 0.5 vs 0.9.
+    ((True, True), (0.5, 0.9), (0.5, 0.9),
+     {"acc": DROPPED_ALL_CORRECT, "score": ACCEPTED, "seq_reward": ACCEPTED, "seq_final_reward": ACCEPTED}),
+    # A user's dict with the same score and different acc flags.
+    ((True, False), (0.0, 0.0), (0.0, 0.0),
+     {"acc": ACCEPTED, "score": DROPPED_UNIFORM, "seq_reward": DROPPED_UNIFORM, "seq_final_reward": DROPPED_UNIFORM}),
+    # Plain mixed and plain uniform groups: every metric agrees.
+    ((True, False, True), (1.0, -1.0, 1.0), (1.0, -1.0, 0.75), dict.fromkeys(FILTER_METRICS, ACCEPTED)),
+    ((True,) * 3, (1.0,) * 3, (1.0,) * 3, dict.fromkeys(FILTER_METRICS, DROPPED_ALL_CORRECT)),
+    # A group of one is never kept (verl keeps it), whatever the metric.
+    ((True,), (1.0,), (0.75,), dict.fromkeys(FILTER_METRICS, DROPPED_ALL_CORRECT)),
+    ((False,), (-1.0,), (-1.5,), dict.fromkeys(FILTER_METRICS, DROPPED_ALL_WRONG)),
+]
+
+
+@pytest.mark.parametrize("metric", FILTER_METRICS)
+@pytest.mark.parametrize(("accuracies", "scores", "rewards", "expected"), METRIC_CASES)
+def test_dynamic_sampling_metric_keeps_and_drops(metric, accuracies, scores, rewards, expected):
+    policy, _ = make(b=1, eta=0, capacity=2, metric=metric)
+    policy.admit()
+    assert arrive(policy, grp(0, accuracies, scores, rewards)) == [expected[metric]]
+    s = policy.stats
+    dropped = s.dropped_all_correct + s.dropped_all_wrong + s.dropped_uniform + s.dropped_stale
+    assert s.received == s.accepted + dropped == 1
+    assert policy.capacity_to_admit() == (0 if expected[metric] == ACCEPTED else 1)  # a drop frees its slot
+
+
+def test_metric_counters_hand_computed():
+    policy, _ = make(b=2, eta=0, capacity=4, metric="seq_reward")
+    policy.admit(2)
+    assert arrive(policy, grp(0, (True, True), rewards=(1.0, 0.75)), grp(0, (True, False), rewards=(-1.0, -1.0))) == [
+        ACCEPTED, DROPPED_UNIFORM]
+    policy.admit()
+    assert arrive(policy, grp(0, (False, False), rewards=(-1.0, -1.0))) == [DROPPED_ALL_WRONG]
+    s = policy.stats
+    assert (s.accepted, s.dropped_uniform, s.dropped_all_wrong, s.dropped_all_correct, s.received) == (1, 1, 1, 0, 3)
+    assert DROPPED_UNIFORM in OUTCOMES and DROPPED_UNIFORM in FREES_ADMISSION
+    assert s.snapshot()["dropped_uniform"] == 1
+    # limit (0 + 0 + 1)·2 = 2; in_window 1, running 0 -> 1 slot (both drops gave theirs back).
+    assert policy.capacity_to_admit() == 1
+
+
+def test_metric_values_read_the_right_field():
+    g = grp(0, (True, False), scores=(1.0, -1.0), rewards=(0.75, -1.0))
+    assert metric_values(g, "acc") == (1.0, 0.0)
+    assert metric_values(g, "score") == (1.0, -1.0)
+    assert metric_values(g, "seq_reward") == metric_values(g, "seq_final_reward") == (0.75, -1.0)
+    with pytest.raises(ValueError, match="metric"):
+        metric_values(g, "reward")
+
+
+def test_keeps_group_is_exact_inequality():
+    assert keeps_group((1.0, 0.75)) and keeps_group((0.0, 0.0, 1e-12))
+    assert not keeps_group((0.1, 0.1, 0.1))  # numpy's std here is ~1.4e-17 > 0: verl would keep it
+    assert not keeps_group((0.5,)) and not keeps_group(())
+
+
+def test_wire_group_exposes_the_metric_values():
+    import numpy as np
+
+    from async_dapo.wire import Group, Sample
+
+    def sample(reward: float, score: float, acc: bool) -> Sample:
+        return Sample(response_ids=np.array([5, 6], np.int32), logprobs=np.array([-0.1, -0.2], np.float32),
+                      versions=np.array([0, 0], np.int32), reward=reward, score=score, acc=acc, truncated=False,
+                      finish_reason="stop", gen_seconds=0.1)
+
+    g = Group(group_id="w", prompt_index=0, epoch=0, engine_rank=0, prompt_ids=np.array([1], np.int32),
+              ground_truth="1", data_source="d", samples=(sample(1.0, 1.0, True), sample(0.75, 1.0, True)),
+              created_at=1.0, admitted_version=0)
+    assert (g.accuracies, g.scores, g.rewards) == ((True, True), (1.0, 1.0), (1.0, 0.75))
+    for metric, outcome in [("acc", DROPPED_ALL_CORRECT), ("seq_reward", ACCEPTED)]:
+        versions = FakeVersionSource()
+        policy = ReplayPolicy(batch_groups=1, max_staleness=0, capacity=1, dynamic_sampling=True,
+                              versions=versions, filter_metric=metric)
+        policy.admit()
+        assert policy.on_group(g) == outcome
+
+
+def test_bad_metric_and_bad_values_are_refused():
+    with pytest.raises(ValueError, match="filter_metric"):
+        make(b=1, eta=0, metric="seq_kl")
+    policy, _ = make(b=1, eta=0, metric="seq_reward")
+    policy.admit()
+    with pytest.raises(ValueError, match="finite"):
+        policy.on_group(grp(0, MIXED, rewards=(1.0, float("nan"))))
+    assert policy.stats.received == 0 and policy.stats.running == 1
+
+
+def test_replay_policy_needs_no_torch():
+    import ast
+    import inspect
+
+    import async_dapo.replay as replay
+
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(inspect.getsource(replay))):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    assert not {name for name in imported if name.split(".")[0] in ("torch", "numpy", "async_dapo")}
+
+
 # --------------------------------------------------------------------------------- hand-out
 
 
@@ -290,6 +420,8 @@ class SimGroup:
     min_version: int
     max_version: int
     accuracies: tuple[bool, ...]
+    scores: tuple[float, ...]
+    rewards: tuple[float, ...]
 
 
 class Sim:
@@ -297,8 +429,8 @@ class Sim:
     between the admission version and now (in-flight weight updates); the learner takes a batch,
     trains, then advances the version. A plain-list reference queue checks every decision."""
 
-    def __init__(self, b: int, eta: int, extra: int, ds: bool) -> None:
-        self.b, self.eta, self.ds = b, eta, ds
+    def __init__(self, b: int, eta: int, extra: int, ds: bool, metric: str = "acc") -> None:
+        self.b, self.eta, self.ds, self.metric = b, eta, ds, metric
         self.versions = FakeVersionSource()
         self.policy: ReplayPolicy[SimGroup] = ReplayPolicy(
             batch_groups=b,
@@ -306,6 +438,7 @@ class Sim:
             capacity=(eta + 1) * b + extra,
             dynamic_sampling=ds,
             versions=self.versions,
+            filter_metric=metric,
         )
         self.in_flight: list[int] = []  # admission version of each running prompt
         self.model_queue: list[SimGroup] = []
@@ -332,14 +465,22 @@ class Sim:
         hi = data.draw(st.integers(lo, self.v))
         # Half mixed groups, so that batches fill and versions advance despite dynamic sampling.
         accuracies = tuple(data.draw(st.just(MIXED) | st.lists(st.booleans(), min_size=1, max_size=4)))
-        group = SimGroup(self.next_id, lo, hi, accuracies)
+        scores = tuple(1.0 if a else -1.0 for a in accuracies)
+        # Overlong penalties: none, a quarter, or 2 (factor 2 at L_max: a right answer's 1 - 2 = a wrong one's -1).
+        penalties = data.draw(st.lists(st.sampled_from([0.0, -0.25, -2.0]), min_size=len(scores),
+                                       max_size=len(scores)))
+        rewards = tuple(s + p for s, p in zip(scores, penalties))
+        group = SimGroup(self.next_id, lo, hi, accuracies, scores, rewards)
         self.next_id += 1
+        values = {"acc": accuracies, "score": scores, "seq_reward": rewards, "seq_final_reward": rewards}[self.metric]
         if self.v - lo > self.eta:
             expected = DROPPED_STALE
-        elif self.ds and all(accuracies):
+        elif self.ds and len(set(values)) < 2 and all(accuracies):
             expected = DROPPED_ALL_CORRECT
-        elif self.ds and not any(accuracies):
+        elif self.ds and len(set(values)) < 2 and not any(accuracies):
             expected = DROPPED_ALL_WRONG
+        elif self.ds and len(set(values)) < 2:
+            expected = DROPPED_UNIFORM
         else:
             expected = ACCEPTED
             self.model_queue.append(group)
@@ -366,8 +507,10 @@ class Sim:
         # (2) the admission bound.
         assert s.in_window + s.running <= (self.eta + self.v + 1) * self.b
         # (3) counters.
-        dropped = s.dropped_all_correct + s.dropped_all_wrong + s.dropped_stale
+        dropped = s.dropped_all_correct + s.dropped_all_wrong + s.dropped_uniform + s.dropped_stale
         assert s.received == s.accepted + dropped
+        if self.metric in ("acc", "score"):  # +1/-1 scores follow the accuracies: nothing else is uniform
+            assert s.dropped_uniform == 0
         assert s.depth == len(self.policy) == len(self.model_queue)
         assert s.depth == s.accepted - s.handed_out - s.dropped_stale_at_handout - s.dropped_capacity
         assert s.running == len(self.in_flight) >= 0
@@ -400,6 +543,7 @@ SIM_PARAMS = {
     "eta": st.integers(0, 2),
     "extra": st.integers(0, 3),
     "ds": st.booleans(),
+    "metric": st.sampled_from(FILTER_METRICS),
 }
 
 
@@ -407,8 +551,8 @@ class ReplayMachine(RuleBasedStateMachine):
     """The same simulation as a hypothesis state machine (short runs, good shrinking)."""
 
     @initialize(**SIM_PARAMS)
-    def setup(self, b: int, eta: int, extra: int, ds: bool) -> None:
-        self.sim = Sim(b, eta, extra, ds)
+    def setup(self, b: int, eta: int, extra: int, ds: bool, metric: str) -> None:
+        self.sim = Sim(b, eta, extra, ds, metric)
 
     @rule(n=st.integers(1, 3))
     def admit(self, n: int) -> None:
@@ -441,10 +585,10 @@ TestReplayMachine.settings = settings(max_examples=60, stateful_step_count=60, d
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), steps=st.integers(100, 300), **SIM_PARAMS)
 def test_long_random_interleavings(
-    data: st.DataObject, steps: int, b: int, eta: int, extra: int, ds: bool
+    data: st.DataObject, steps: int, b: int, eta: int, extra: int, ds: bool, metric: str
 ) -> None:
     # Long runs reach many versions, where late groups go stale on arrival and at hand-out.
-    sim = Sim(b, eta, extra, ds)
+    sim = Sim(b, eta, extra, ds, metric)
     for _ in range(steps):
         sim.step(data)
 

@@ -41,6 +41,42 @@ async def _connected(svc):
     return GroupSender(await svc.address(), secret=await svc.producer_secret())
 
 
+class _ObservedCondition(asyncio.Condition):
+    """The service's condition plus a signal for tests: ``parked`` is set whenever a caller begins to wait
+    on it. A test that needs "this admit call is now blocked on the condition" waits for that signal (with a
+    deadline) instead of sleeping and hoping the call got there in time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parked = asyncio.Event()
+
+    async def wait(self):
+        self.parked.set()
+        return await super().wait()
+
+
+async def _observed(svc) -> _ObservedCondition:
+    await svc.address()  # creates the service's condition (and starts its receiver) on this loop
+    # The one private hook: the service offers no public "someone is waiting" signal. Were the attribute
+    # renamed, nothing would ever park here and _start_parked fails loudly.
+    svc._changed = cond = _ObservedCondition()
+    return cond
+
+
+async def _start_parked(cond: _ObservedCondition, coro, timeout=5.0) -> asyncio.Future:
+    """Start ``coro`` and return once it waits on the service's condition (it must still be pending)."""
+    cond.parked.clear()
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.wait_for(cond.parked.wait(), timeout)
+    except asyncio.TimeoutError:
+        task.cancel()
+        raise AssertionError(f"the call never waited on the service's condition in {timeout} s "
+                             f"(done: {task.done()})") from None
+    assert not task.done()
+    return task
+
+
 async def _until(pred, timeout=5.0):
     deadline = asyncio.get_running_loop().time() + timeout
     while not await pred():
@@ -52,13 +88,13 @@ def test_admission_blocks_until_version_advances_and_batches_flow(cfg):
     async def scenario():
         svc = ReplayService(cfg)
         sender = await _connected(svc)
+        cond = await _observed(svc)
         try:
             tickets = await svc.admit(0, 10)
             assert len(tickets) == 2  # eta=0, v=0, B=2: (0 + 0 + 1) * 2 prompts
             assert await svc.admit(0, 10, wait_s=0.2) == []  # bounded wait, nothing admitted
-            blocked = asyncio.ensure_future(svc.admit(0, 10))
-            await asyncio.sleep(0.2)
-            assert not blocked.done()  # waits on the condition
+            assert (await svc.stats())["capacity_to_admit"] == 0
+            blocked = await _start_parked(cond, svc.admit(0, 10))  # waits on the condition
             sender.send(_group(tickets[0], [True, True]))  # all correct: dropped, frees a slot
             third = await asyncio.wait_for(blocked, 5)
             assert len(third) == 1
@@ -66,9 +102,8 @@ def test_admission_blocks_until_version_advances_and_batches_flow(cfg):
             sender.send(_group(third[0], [False, True]))
             got = await asyncio.wait_for(svc.get_batch(wait_s=5), 6)
             assert [g.prompt_index for g in got["batch"]] == [tickets[1][2], third[0][2]]
-            again = asyncio.ensure_future(svc.admit(0, 10))
-            await asyncio.sleep(0.2)
-            assert not again.done()
+            assert (await svc.stats())["capacity_to_admit"] == 0  # 2 running + 0 queued = (0 + 0 + 1) * 2
+            again = await _start_parked(cond, svc.admit(0, 10))
             await svc.set_version(1)  # the learner pushed version 1: admission widens by B
             assert len(await asyncio.wait_for(again, 5)) == 2
             stats = await svc.stats()
@@ -279,11 +314,13 @@ def test_a_released_producer_cannot_admit_again(cfg):
     its prompts; when it wakes it must not take tickets that nobody will ever produce."""
     async def scenario():
         svc = ReplayService(cfg)
+        cond = await _observed(svc)
         try:
             await svc.register_producer(0, "old")
             first = await svc.admit(0, 10, 5.0, "old")
-            waiting = asyncio.ensure_future(svc.admit(0, 10, 5.0, "old"))  # blocked: window full
-            await asyncio.sleep(0.1)
+            assert len(first) == 2 and (await svc.stats())["capacity_to_admit"] == 0
+            # Parked before the release: the path under test is a waiter woken by it, not a late call.
+            waiting = await _start_parked(cond, svc.admit(0, 10, 5.0, "old"))  # blocked: window full
             assert await svc.release_engine(0, "actor_failed") == 2  # frees the window, wakes the waiter
             assert await asyncio.wait_for(waiting, 5) == []
             await svc.register_producer(0, "new")

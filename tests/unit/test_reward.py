@@ -1,13 +1,16 @@
 """Tests for async_dapo.reward: verl math_dapo semantics and the soft overlong penalty.
 
-Tricky cases (every expected value below was checked against verl-project/verl main's
-``math_dapo.compute_score``; the single deliberate difference is marked DEVIATION):
+Tricky cases (every default-mode and strict-box expected value below was checked against verl's
+``verl/utils/reward_score/math_dapo.py`` ``compute_score``; ``boxed_fallback`` is this project's
+explicit extra, not verl):
   - only the last 300 characters count: an Answer line just outside the window is unseen, and
     a window starting inside the word "Answer" hides the line;
   - the LAST "Answer:" line wins; matching is case-insensitive, "Final Answer:" and
     "Answer :" match, "answers:" does not; "\\s*" after the colon crosses a newline;
-  - "Answer: " with nothing after it extracts "" (wrong, and NO boxed fallback), while a bare
-    "Answer:" at the very end is no match at all (boxed fallback applies);
+  - no Answer line at all: wrong, pred "[INVALID]" (verl has no boxed fallback: "so \\boxed{42}"
+    scores -1 by default);
+  - "Answer: " with nothing after it extracts "" (wrong, and no boxed fallback even when it is
+    switched on), while a bare "Answer:" at the very end is no match at all;
   - text after the last '=' is the answer ("x = 5" -> "5", "5 = x" -> "x");
   - thousands commas are dropped only when the rest is all digits: "1,000" == "1000" but
     "1,000.5" and "-1,000" keep their commas; "3, 4" collapses to "34" (so does "3,4");
@@ -19,26 +22,35 @@ Tricky cases (every expected value below was checked against verl-project/verl m
     \\frac (they only compare equal to themselves);
   - \\text{}, \\textbf{} and \\boxed{} wrappers are unwrapped inside an Answer line;
   - no arithmetic: "2^{10}" != "1024", "0042" != "42", "42.0" != "42";
-  - boxed fallback (no Answer line): the last \\boxed{} in the final 100 characters, braces
-    balanced ("\\boxed{\\frac{1}{2}}"), normalised ("\\boxed{ 42 }" and "\\boxed{x=5}" pass);
-    an unbalanced last box yields nothing even if an earlier box is complete;
-  - strict_box_verify: the boxed content must equal the raw ground truth exactly;
-  - the ground truth is normalised too ("$42$", "1,000");
-  - DEVIATION: verl falls back to the box when the extracted answer normalises to the literal
-    "[INVALID]"; we fall back only when there is no Answer line.
+  - boxed_fallback "exact" / "normalized" (no Answer line): the last \\boxed{} in the final 100
+    characters, braces balanced ("\\boxed{\\frac{1}{2}}"), compared raw or normalised
+    ("\\boxed{ 42 }" and "\\boxed{x=5}" pass only normalised); an unbalanced last box yields
+    nothing even if an earlier box is complete;
+  - strict_box_verify: the last box of the last 100 characters, its content equal to the raw
+    ground truth exactly; Answer lines are ignored;
+  - the ground truth is normalised too ("$42$", "1,000").
 """
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import re
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from async_dapo.config import RewardConfig
 from async_dapo.reward import (
     INVALID_PRED,
     RewardResult,
+    UserScoreFn,
     dapo_math_score,
     last_boxed_content,
+    load_score_fn,
     normalize_final_answer,
     overlong_penalty,
 )
@@ -129,27 +141,53 @@ def test_answer_line(response: str, truth: str, acc: bool, pred: str) -> None:
 
 @pytest.mark.parametrize(("response", "truth", "acc", "pred"), BOXED_FALLBACK_CASES)
 def test_boxed_fallback_normalized_switch(response: str, truth: str, acc: bool, pred: str) -> None:
-    result = dapo_math_score(response, truth, boxed_match="normalized")
+    result = dapo_math_score(response, truth, boxed_fallback="normalized")
     assert result == RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
 
 
+@pytest.mark.parametrize(("response", "truth"), [(r, t) for r, t, _, _ in BOXED_FALLBACK_CASES])
+def test_no_answer_line_is_wrong_by_default_as_in_verl(response: str, truth: str) -> None:
+    # verl's math_dapo: no "Answer:" match -> extracted "[INVALID]" -> -1. No box is looked at.
+    assert dapo_math_score(response, truth) == RewardResult(-1.0, False, INVALID_PRED)
+
+
+def test_the_issue_example_so_boxed_42() -> None:
+    # No Answer line: -1 in verl and here by default; +1 only with the explicit extra.
+    assert dapo_math_score("so \\boxed{42}", "42") == RewardResult(-1.0, False, INVALID_PRED)
+    assert dapo_math_score("so \\boxed{42}", "42", boxed_fallback="exact") == RewardResult(1.0, True, "42")
+    assert dapo_math_score("so \\boxed{42}", "42", boxed_fallback="normalized") == RewardResult(1.0, True, "42")
+
+
 @pytest.mark.parametrize(("response", "truth", "acc", "pred"), [
-    ("The answer is \\boxed{ 3 }", "3", False, " 3 "),  # the issue's example: not +1 by default
+    ("The answer is \\boxed{ 3 }", "3", False, " 3 "),  # raw content vs raw ground truth
     ("The answer is \\boxed{3}", "3", True, "3"),
     ("\\boxed{x=5}", "5", False, "x=5"),
     ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True, "\\frac{1}{2}"),
     ("\\boxed{41} then \\boxed{4", "41", False, INVALID_PRED),
     ("\\boxed{4}\nAnswer:  3", "3", True, "3"),  # an Answer line still decides first, normalised as in verl
+    ("so \\boxed{42}\nAnswer: ", "42", False, ""),  # even an empty one
 ])
-def test_boxed_fallback_is_exact_by_default(response: str, truth: str, acc: bool, pred: str) -> None:
-    assert dapo_math_score(response, truth) == RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
+def test_boxed_fallback_exact(response: str, truth: str, acc: bool, pred: str) -> None:
+    result = dapo_math_score(response, truth, boxed_fallback="exact")
+    assert result == RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
 
 
-def test_configured_boxed_match_reaches_the_builtin_reward() -> None:
-    from async_dapo.reward import load_score_fn
+def test_unknown_boxed_fallback_is_refused() -> None:
+    with pytest.raises(ValueError, match="boxed_fallback"):
+        dapo_math_score("Answer: 1", "1", boxed_fallback="loose")
 
-    exact, normalized = load_score_fn(None), load_score_fn(None, "normalized")
-    assert not exact("d", "so \\boxed{ 3 }", "3", {}).acc and normalized("d", "so \\boxed{ 3 }", "3", {}).acc
+
+def test_reward_section_reaches_the_builtin_reward() -> None:
+    verl, exact, normalized, strict = (
+        load_score_fn(RewardConfig(**kw)) for kw in
+        ({}, {"boxed_fallback": "exact"}, {"boxed_fallback": "normalized"}, {"strict_box_verify": True}))
+    for response, expected in [  # (verl default, exact, normalized, strict) acc
+        ("so \\boxed{ 3 }", (False, False, True, False)),
+        ("so \\boxed{3}", (False, True, True, True)),
+        ("Answer: 3", (True, True, True, False)),
+    ]:
+        got = tuple(fn("d", response, "3", {}).acc for fn in (verl, exact, normalized, strict))
+        assert got == expected, response
 
 
 def test_only_last_300_characters_count() -> None:
@@ -168,19 +206,97 @@ def test_long_response_answer_at_end() -> None:
     assert dapo_math_score(response, "1234") == RewardResult(1.0, True, "1234")
 
 
-def test_strict_box_verify_compares_raw_strings() -> None:
-    assert dapo_math_score("so \\boxed{42}", "42", strict_box_verify=True).acc
-    assert dapo_math_score("Answer: \\boxed{42}", "42", strict_box_verify=True).acc
-    spaced = dapo_math_score("so \\boxed{ 42 }", "42", strict_box_verify=True)
-    assert spaced == RewardResult(-1.0, False, " 42 ")
-    # strict mode ignores the Answer line entirely.
-    assert dapo_math_score("Answer: 42", "42", strict_box_verify=True).pred == INVALID_PRED
+@pytest.mark.parametrize(("response", "truth", "acc", "pred"), [
+    ("so \\boxed{42}", "42", True, "42"),
+    ("Answer: \\boxed{42}", "42", True, "42"),
+    ("so \\boxed{ 42 }", "42", False, " 42 "),  # exact: no normalisation at all
+    ("\\boxed{x=5}", "5", False, "x=5"),
+    ("\\boxed{42.}", "42", False, "42."),
+    ("\\boxed{1,000}", "1000", False, "1,000"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True, "\\frac{1}{2}"),  # braces balanced
+    ("\\boxed{41} then \\boxed{42}", "42", True, "42"),  # the last box
+    ("\\boxed{42} then \\boxed{41}", "42", False, "41"),
+    ("\\boxed{42} then \\boxed{4", "42", False, INVALID_PRED),  # last box unbalanced: nothing
+    ("Answer: 42", "42", False, INVALID_PRED),  # the Answer line is ignored
+    ("\\boxed{41}\nAnswer: 42", "42", False, "41"),
+    ("\\boxed{42}" + "y" * 90, "42", True, "42"),  # 10 + 90 = 100 characters: the box is inside
+    ("\\boxed{42}" + "y" * 91, "42", False, INVALID_PRED),  # "\\" is the 101st from the end: outside
+    ("\\boxed{42}" + "y" * 88 + "\\boxed{7", "42", False, INVALID_PRED),
+    ("", "42", False, INVALID_PRED),
+])
+def test_strict_box_verify(response: str, truth: str, acc: bool, pred: str) -> None:
+    result = dapo_math_score(response, truth, strict_box_verify=True)
+    assert result == RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
+    # boxed_fallback only shapes the Answer-line mode: it changes nothing here.
+    assert dapo_math_score(response, truth, strict_box_verify=True, boxed_fallback="normalized") == result
 
 
-def test_invalid_literal_does_not_trigger_fallback() -> None:
-    # DEVIATION from verl (which would fall back to the box and score +1 here).
-    result = dapo_math_score("Answer: [INVALID]\n\\boxed{42}", "42")
+def test_strict_box_window_is_the_last_100_characters_of_a_long_response() -> None:
+    assert dapo_math_score("x" * 5000 + " so \\boxed{42}", "42", strict_box_verify=True).acc
+    # A right box 200 characters from the end is inside verl's 300-character window but not in the 100.
+    assert not dapo_math_score("\\boxed{42}" + "y" * 190, "42", strict_box_verify=True).acc
+
+
+def test_invalid_literal_is_an_answer_like_any_other() -> None:
+    # As verl: an Answer line decides; its text "[INVALID]" is compared with the ground truth, no fallback.
+    assert dapo_math_score("Answer: [INVALID]\n\\boxed{42}", "42") == RewardResult(-1.0, False, INVALID_PRED)
+    result = dapo_math_score("Answer: [INVALID]\n\\boxed{42}", "42", boxed_fallback="exact")
     assert result == RewardResult(-1.0, False, INVALID_PRED)
+
+
+# ------------------------------------------------------------------------ picklable scorers
+
+USER_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    pred = solution_str.strip()
+    return {"score": 1.0 if pred == ground_truth else -1.0, "pred": pred}
+"""
+
+
+def _user_file(tmp_path) -> str:
+    path = tmp_path / "user_reward.py"
+    path.write_text(USER_REWARD)
+    return str(path)
+
+
+def test_builtin_scorer_survives_a_pickle_round_trip() -> None:
+    fn = load_score_fn(RewardConfig(boxed_fallback="exact"))
+    again = pickle.loads(pickle.dumps(fn))
+    assert again("d", "so \\boxed{42}", "42", {}) == RewardResult(1.0, True, "42")
+    default = pickle.loads(pickle.dumps(load_score_fn(RewardConfig())))
+    assert default("d", "so \\boxed{42}", "42", {}) == RewardResult(-1.0, False, INVALID_PRED)
+
+
+def test_user_scorer_pickles_as_its_spec_and_reloads(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _user_file(tmp_path)
+    fn = load_score_fn(RewardConfig(function="user_reward.py:compute_score"))  # relative to the cwd
+    assert isinstance(fn, UserScoreFn) and fn.spec == f"{tmp_path / 'user_reward.py'}:compute_score"
+    assert fn("d", " 42 ", "42", {}) == RewardResult(1.0, True, "42")  # acc defaults to score > 0
+    state = pickle.dumps(fn)
+    assert b"compute_score" in state and b"def " not in state
+    monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))  # the path was made absolute
+    assert pickle.loads(state)("d", "41", "42", {}) == RewardResult(-1.0, False, "41")
+
+
+def test_bad_user_function_fails_where_the_config_is_checked(tmp_path) -> None:
+    with pytest.raises(ValueError, match="missing.py:score"):
+        load_score_fn(RewardConfig(function="missing.py:score"))
+    with pytest.raises(ValueError, match="nope"):
+        load_score_fn(RewardConfig(function=f"{_user_file(tmp_path)}:nope"))
+
+
+def test_scorers_run_in_a_spawned_worker(tmp_path) -> None:
+    builtin = load_score_fn(RewardConfig(boxed_fallback="exact"))
+    user = load_score_fn(RewardConfig(function=f"{_user_file(tmp_path)}:compute_score"))
+    module = load_score_fn(RewardConfig(function="async_dapo.reward:builtin_score"))
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(os.getpid).result() != os.getpid()
+        assert pool.submit(builtin, "d", "so \\boxed{42}", "42", {}).result() == RewardResult(1.0, True, "42")
+        assert pool.submit(user, "d", "42", "42", {}).result() == RewardResult(1.0, True, "42")
+        assert pool.submit(user, "d", "7", "42", {}).result() == RewardResult(-1.0, False, "7")
+        # A module spec: verl's default-mode scorer, called with verl's signature.
+        assert pool.submit(module, "d", "so \\boxed{42}", "42", {}).result() == RewardResult(-1.0, False, INVALID_PRED)
 
 
 def test_result_is_frozen() -> None:
@@ -215,10 +331,13 @@ def test_reward_module_does_not_import_torch() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=400), st.text(max_size=20))
 def test_score_never_raises_and_is_consistent(response: str, truth: str) -> None:
-    result = dapo_math_score(response, truth)
-    assert result.score in (1.0, -1.0)
-    assert result.acc == (result.score == 1.0)
-    assert isinstance(result.pred, str)
+    for kwargs in ({}, {"strict_box_verify": True}, {"boxed_fallback": "exact"}, {"boxed_fallback": "normalized"}):
+        result = dapo_math_score(response, truth, **kwargs)
+        assert result.score in (1.0, -1.0)
+        assert result.acc == (result.score == 1.0)
+        assert isinstance(result.pred, str)
+    if not re.search(r"(?i)Answer\s*:\s*([^\n]+)", response[-300:]):  # verl's pattern: no box is read
+        assert dapo_math_score(response, truth) == RewardResult(-1.0, False, INVALID_PRED)
 
 
 # ----------------------------------------------------------------------------- overlong

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 
-from async_dapo.config import TransportConfig
+from async_dapo.config import load_config
 from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret
 from async_dapo.wire import Group, OversizedMessage, Sample, decode_group, encode_group
 
@@ -94,7 +94,7 @@ def test_groups_arrive_in_order_and_intact(receiver, connect):
     assert got == sent
     assert got[19].samples[0].versions.tolist() == [19] * 20
     assert receiver.counters == {"received": 20, "rejected_auth": 0, "rejected_malformed": 0,
-                                 "rejected_oversized": 0, "rejected_schema": 0}
+                                 "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0}
     assert receiver.last_error is None
 
 
@@ -108,7 +108,7 @@ def test_bad_frames_dropped_and_counted_valid_ones_delivered(receiver, connect):
     assert receiver.recv(RECV_MS).group_id == "first"
     assert receiver.recv(RECV_MS).group_id == "last"
     assert receiver.counters == {"received": 2, "rejected_auth": 0, "rejected_malformed": 1,
-                                 "rejected_oversized": 1, "rejected_schema": 1}
+                                 "rejected_oversized": 1, "rejected_schema": 1, "rejected_peers": 0}
     assert receiver.last_error == "schema: foreign schema 'someone_else.batch' (expected 'async_dapo.group')"
     assert receiver.recv(timeout_ms=20) is None
 
@@ -132,7 +132,7 @@ def test_multipart_frames_are_malformed(receiver, raw_push):
     sock.send(good)
     assert receiver.recv(RECV_MS).group_id == "ok"
     assert receiver.counters == {"received": 1, "rejected_auth": 0, "rejected_malformed": 1,
-                                 "rejected_oversized": 0, "rejected_schema": 0}
+                                 "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0}
     assert receiver.last_error == "message: 2 frames, expected 1"
 
 
@@ -172,10 +172,10 @@ def test_binds_loopback_by_default():
         assert rx.port > 0
         assert rx.address == f"tcp://127.0.0.1:{rx.port}"
         assert rx._sock.getsockopt_string(zmq.LAST_ENDPOINT) == rx.address
-    cfg = TransportConfig()
+    cfg = load_config(None)
     with GroupReceiver.from_config(cfg) as rx:
-        assert rx.address.startswith("tcp://127.0.0.1:") and rx.max_message_bytes == cfg.max_message_bytes
-        assert rx.hard_cap_bytes == 2 * cfg.max_message_bytes
+        assert rx.address.startswith("tcp://127.0.0.1:") and rx.max_message_bytes == cfg.transport.max_message_bytes
+        assert rx.hard_cap_bytes == 2 * cfg.transport.max_message_bytes
 
 
 def test_arecv_under_asyncio_and_loop_stays_free(receiver, connect):
@@ -209,7 +209,7 @@ def test_arecv_under_asyncio_and_loop_stays_free(receiver, connect):
     tx.send(make_group("x4"))
     assert receiver.recv(RECV_MS).group_id == "x4"
     assert receiver.counters == {"received": 4, "rejected_auth": 0, "rejected_malformed": 1,
-                                 "rejected_oversized": 0, "rejected_schema": 0}
+                                 "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0}
 
 
 def test_message_over_hard_cap_disconnects_peer_but_receiver_survives(connect):
@@ -263,7 +263,7 @@ def signed_receiver(secret):
 
 def counts(**nonzero: int) -> dict[str, int]:
     base = {"received": 0, "rejected_auth": 0, "rejected_malformed": 0,
-                                 "rejected_oversized": 0, "rejected_schema": 0}
+            "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0}
     return {**base, **nonzero}
 
 
@@ -396,7 +396,7 @@ def test_signed_payload_of_exactly_max_bytes_fits_the_caps(connect, secret):
 
 
 def test_from_config_passes_the_secret(secret, connect):
-    with GroupReceiver.from_config(TransportConfig(), secret=secret) as rx:
+    with GroupReceiver.from_config(load_config(None), secret=secret) as rx:
         connect(rx).send(make_group("unsigned"))
         connect(rx, secret=secret).send(make_group("signed"))
         assert rx.recv(RECV_MS * 5).group_id == "signed"

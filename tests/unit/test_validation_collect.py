@@ -77,3 +77,37 @@ def test_a_failed_or_late_validation_is_skipped_and_the_run_goes_on(monkeypatch,
         run._collect_validation(block=False)
     assert run.metrics.rows == [] and run._val is None
     assert "validation at step 40 skipped" in caplog.text and why in caplog.text
+
+
+def test_a_validation_due_while_the_last_one_runs_is_skipped_and_counted(monkeypatch, caplog):
+    """The decided behaviour: at the next val_every_steps a still-running validation is left alone, the
+    new one is not started (counted in val/skipped, one warning), and the learner does not wait."""
+    run = _run(monkeypatch, ready=False, answer=SHARES)
+    run.cfg = load_config(None, ["logging.val_timeout_s=60", "learner.total_steps=200"])
+    started = []
+    monkeypatch.setattr(run, "_start_validation", lambda step: started.append(step))
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="async_dapo"):
+        run.validate(80)
+    assert time.perf_counter() - t0 < 1.0  # no wait for the running one
+    assert started == [] and run._val["step"] == 40 and run._val_skipped == 1
+    assert "validation at step 80 skipped: the one started at step 40 is still running" in caplog.text
+
+
+def test_at_the_last_step_the_running_validation_is_awaited_then_the_final_one_starts(monkeypatch):
+    import ray
+
+    run = _run(monkeypatch, ready=False, answer=SHARES)
+    run.cfg = load_config(None, ["logging.val_timeout_s=60", "learner.total_steps=200"])
+    waited = []
+
+    def wait(refs, num_returns, timeout):
+        waited.append(timeout)
+        return (refs, []) if timeout > 0 else ([], refs)  # answers once someone is willing to wait
+
+    monkeypatch.setattr(ray, "wait", wait)
+    started = []
+    monkeypatch.setattr(run, "_start_validation", lambda step: started.append(step))
+    run.validate(200)
+    assert waited and waited[0] > 0 and started == [200] and run._val_skipped == 0
+    assert [step for step, _ in run.metrics.rows] == [40]  # the previous one was logged at its own step
