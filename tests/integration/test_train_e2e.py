@@ -60,7 +60,10 @@ def test_async_run_end_to_end(tiny_model, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     vals = {r["step"]: (i, r) for i, r in enumerate(rows) if "val/avg_at_k" in r}
     trained = {int(r["train/version"]): i for i, r in enumerate(rows) if "train/version" in r}
-    assert sorted(vals) == [0, 2, 4]  # val_before_train, every 2 steps and the last
+    # val_before_train, every 2 steps and the last; one due while the previous still ran is skipped and
+    # counted (this validation takes several steps), the last one is always there
+    skipped = int(steps[-1]["val/skipped"])
+    assert {0, 4} <= set(vals) <= {0, 2, 4} and len(vals) + skipped == 3, (sorted(vals), skipped)
     # Validation off the critical path: the validation started at step 0 (or 2) was logged only after the
     # learner had trained the next step, and it reports the policy versions that produced its samples.
     assert any(trained[s + 1] < i for s, (i, _) in vals.items() if s + 1 in trained), [r.get("step") for r in rows]
