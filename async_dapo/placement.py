@@ -215,7 +215,7 @@ def connect_ray(cfg: Config) -> threading.Event:
         except BaseException as exc:  # handed to the caller's thread
             box["exc"] = exc
         started.set()
-        park.wait()
+        park.wait()  # parked on purpose until shutdown sets it (see the docstring): not a wait on anything
 
     threading.Thread(target=run, name="ray-init", daemon=True).start()
     timeout = cfg.placement.start_timeout_s

@@ -72,6 +72,7 @@ class Scorer:
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), backstop)
         except (concurrent.futures.TimeoutError, asyncio.TimeoutError):
+            future.cancel()  # the backstop's expiry: stop (kill) the call the pool did not end itself
             raise ScoringFailed("score_timeout", f"reward function did not return in {self.timeout_s:g} s "
                                 "(reward.timeout_s); its worker was killed") from None
         except ProcessExpired as exc:
