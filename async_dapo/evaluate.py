@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from async_dapo.data import PromptRow, prompt_key
-from async_dapo.reward import INVALID_PRED, RewardResult, ScoreFn, builtin_score
+from async_dapo.reward import INVALID_PRED, RewardResult
 
 
 def subset_of(row: PromptRow) -> str:
@@ -17,18 +17,11 @@ def subset_of(row: PromptRow) -> str:
     return f"L{level}" if level is not None else row.data_source
 
 
-def prompt_scores(texts: list[list[str]], rows: list[PromptRow], score_fn: ScoreFn = builtin_score,
-                  ) -> list[tuple[float, float, float]]:
-    """Per prompt: (accuracy over its k samples, any sample correct, majority answer correct), scored by the
-    run's reward function. Majority voting is over the extracted answers (``pred``); ties go to the answer
-    seen first; a scorer that reports no ``pred`` gives no majority."""
-    return result_scores([[score_fn(row.data_source, t, row.ground_truth, row.extra_info) for t in group]
-                          for group, row in zip(texts, rows)])
-
-
 def result_scores(results: list[list[RewardResult]]) -> list[tuple[float, float, float]]:
-    """:func:`prompt_scores` from already scored samples (one list per prompt): the rollout actors score in
-    worker processes and hand the results here."""
+    """Per prompt, from its k scored samples (the rollout actors score them in reward worker processes):
+    (accuracy over its k samples, any sample correct, majority answer correct). Majority voting is over the
+    extracted answers (``pred``); ties go to the answer seen first; a scorer that reports no ``pred`` gives
+    no majority."""
     out = []
     for group in results:
         votes = Counter(r.pred for r in group if r.pred and r.pred != INVALID_PRED)
@@ -56,7 +49,7 @@ def _aggregate(scores: list[tuple[float, float, float]], rows: list[PromptRow]) 
 
 
 def val_metrics(scores: list[tuple[float, float, float]], rows: list[PromptRow]) -> dict[str, float]:
-    """``val/avg_at_k``, ``val/pass_at_k``, ``val/maj_at_k`` from :func:`prompt_scores` (one per row, in
+    """``val/avg_at_k``, ``val/pass_at_k``, ``val/maj_at_k`` from :func:`result_scores` (one per row, in
     order): the mean over levels of the per-level means when every row carries ``extra_info.level``, else
     the mean over rows; ``val/distinct_prompts``; and ``val/avg_at_k/<subset>`` (row mean per subset, see
     :func:`subset_of`) when there is more than one subset, so a run shows which level moved."""

@@ -294,7 +294,7 @@ class _Session:
 
     async def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, Any]:
         """``k`` samples of each row by the same path as training groups (:meth:`sample_n`), scored by the
-        run's reward function: per-row (avg, pass, maj) scores (``evaluate.prompt_scores``), the generated
+        run's reward function: per-row (avg, pass, maj) scores (``evaluate.result_scores``), the generated
         tokens, and the lowest and highest policy version any sampled token came from (weights may be
         pushed while a validation runs: the learner does not wait for it)."""
         from async_dapo.evaluate import result_scores

@@ -3,7 +3,8 @@
 import pytest
 
 from async_dapo.data import Message, PromptRow, RewardSpec
-from async_dapo.evaluate import merge_parts, prompt_scores, split_rows
+from async_dapo.evaluate import merge_parts, split_rows
+from tests.unit.val_scores import prompt_scores
 from async_dapo.evaluate import val_metrics as _val_metrics
 from async_dapo.reward import RewardResult
 

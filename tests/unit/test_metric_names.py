@@ -22,7 +22,8 @@ from async_dapo import learner as learner_module
 from async_dapo.batching import MicroBatch
 from async_dapo.config import load_config
 from async_dapo.data import Message, PromptRow, RewardSpec
-from async_dapo.evaluate import merge_parts, prompt_scores, split_rows
+from async_dapo.evaluate import merge_parts, split_rows
+from tests.unit.val_scores import prompt_scores
 from async_dapo.learner import LearnerWorker
 from async_dapo.loss import policy_loss
 from async_dapo.metrics import _LEARNER_TAGS, RENAMED_TAGS, PhaseClock, progress_line, step_metrics, upgrade_row
