@@ -20,7 +20,8 @@ import torch
 
 def avg_at_k(model, tokenizer, rows, cfg, seed: int) -> tuple[float, dict[str, float]]:
     from async_dapo.bootstrap import complete
-    from async_dapo.evaluate import prompt_scores, val_metrics
+    from async_dapo.evaluate import result_scores, val_metrics
+    from async_dapo.reward import load_score_fn
 
     lg = cfg.logging
     torch.manual_seed(seed)
@@ -28,7 +29,9 @@ def avg_at_k(model, tokenizer, rows, cfg, seed: int) -> tuple[float, dict[str, f
     texts = complete(model, tokenizer, rows, cfg.rollout.max_response_length, n=lg.val_n, do_sample=True,
                      top_p=lg.val_top_p, temperature=lg.val_temperature)
     model.train()
-    m = val_metrics(prompt_scores(texts, rows), rows)
+    score = load_score_fn(cfg.reward)  # the run's reward, in-process: this tool has no engine or workers
+    m = val_metrics(result_scores([[score(r.data_source, t, r.ground_truth, r.extra_info) for t in group]
+                                   for group, r in zip(texts, rows)]), rows)
     return m["val/avg_at_k"], {key.rsplit("/", 1)[1]: v for key, v in m.items() if key.startswith("val/avg_at_k/")}
 
 
