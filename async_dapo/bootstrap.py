@@ -132,7 +132,7 @@ def supervised_warm_start(
     cyclically from ``rows`` with reference responses in ``style`` (``data.synthetic.response_style``);
     runs ``steps`` steps (default ``tc.sft_steps``). ``after_step(step)`` is
     called after each step; returning True ends the warm start there (the target check does that;
-    tools/sft_baseline.py continues past the bootstrap's stop with it). Returns the steps run."""
+    tools/study/sft_baseline.py continues past the bootstrap's stop with it). Returns the steps run."""
     pad_id = tokenizer.pad_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=tc.sft_lr, weight_decay=0.0)
     horizon = tc.sft_schedule_steps or tc.sft_steps

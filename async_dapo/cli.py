@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from async_dapo.config import Config, ConfigError, dump_config, load_config
+from async_dapo.config import Config, ConfigError, load_config
 from async_dapo.data import DatasetError
 from async_dapo.supervise import RunFailed
 
@@ -100,8 +100,9 @@ def train_run_dir(cfg: Config, resume: Path | None) -> Config:
     config given on the command line still applies."""
     if resume is None:
         return cfg
-    run_dir = resume.parent.parent if resume.parent.name == "checkpoints" else resume
-    return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"run_dir": run_dir})})
+    from async_dapo.checkpoints import owning_run
+
+    return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"run_dir": owning_run(resume)})})
 
 
 @contextlib.contextmanager
@@ -122,15 +123,16 @@ def _deadline(seconds: float, what: str):
 
 
 def _train(cfg: Config, resume: Path | None) -> int:
+    from async_dapo.checkpoints import RunDir, archive_previous_run
     from async_dapo.metrics import PhaseClock
-    from async_dapo.orchestrator import archive_previous_run, train
+    from async_dapo.orchestrator import train
 
     clock = PhaseClock()
     run_dir = Path(cfg.logging.run_dir)
     # Before the log file opens in run_dir: a fresh run first moves an earlier run out of the way.
     if resume is None and (moved := archive_previous_run(run_dir)) is not None:
         log.info("run_dir %s held an earlier run: moved it to %s", run_dir, moved)
-    _log_to_file(run_dir / "train.log")
+    _log_to_file(RunDir(run_dir).log)
     if cfg.model.bootstrap is not None:
         with clock.phase("bootstrap"):
             _bootstrap(cfg)
@@ -159,7 +161,7 @@ def _fatal(exc: BaseException, cfg: Config | None, command: str) -> int:
     what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
     where = f"traceback in {_run_log}" if _to_run_log(f"{command} failed:\n{traceback.format_exc()}") else "no log file"
     if command == "train" and cfg is not None:
-        from async_dapo.orchestrator import last_checkpoint
+        from async_dapo.checkpoints import last_checkpoint
 
         print(f"run failed: {what} ({where}); last checkpoint: {last_checkpoint(Path(cfg.logging.run_dir))}",
               file=sys.stderr)

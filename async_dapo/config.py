@@ -40,24 +40,24 @@ class TinyModelConfig(_Section):
         "`sft_target_checks`)."
     )
     sft_target_accuracy: float | None = Field(
-        None, gt=0, le=1, description="Stop the warm start at the first check where greedy accuracy on the "
-        "training problems of `sft_target_level` reaches this (for `sft_target_checks` checks in a row; "
-        "None = run `sft_steps`). A measured target "
-        "lands the policy at the same skill on any CPU, where a step count lands it wherever that CPU's "
-        "arithmetic takes it.",
+        None, gt=0, le=1, description="Greedy accuracy (fraction of problems, 0-1) that stops the warm start: "
+        "it stops at the first check where accuracy on the training problems of `sft_target_level` reaches "
+        "this (for `sft_target_checks` checks in a row); at most `sft_steps` steps either way. None = run "
+        "exactly `sft_steps`.",
     )
     sft_target_checks: int = Field(
         1, ge=1, le=100, description="With `sft_target_accuracy`: consecutive checks at which the target level "
-        "must be at or above the target before the warm start stops (accuracy can swing between checks at a "
-        "high warm-start lr, so one check may stop on a spike).",
+        "must be at or above the target before the warm start stops (a count; more than 1 keeps a single "
+        "check's spike from stopping it).",
     )
     sft_target_level: int | None = Field(
-        None, description="Synthetic level the target is measured on (None = the easiest configured level)."
+        None, description="Synthetic level whose training problems the target is checked on (None = the "
+        "easiest configured level)."
     )
     sft_level_floor: float | None = Field(
         None, ge=0, le=1, description="With `sft_target_accuracy`: stop only once every other configured level "
-        "also has at least this greedy accuracy on its training problems (checked when the target level is "
-        "there): a level left near 0 % gives RL no mixed groups.",
+        "also has at least this greedy accuracy (fraction, 0-1) on its training problems (checked when the "
+        "target level is there), so that every level gives RL some mixed groups. None = no floor.",
     )
     sft_check_every: int = Field(
         25, ge=1, le=10_000, description="Warm-start steps between two checks of the target."
@@ -198,7 +198,7 @@ class RolloutConfig(_Section):
     request_timeout_s: float = Field(
         600, gt=0, description="Bound (seconds) on one engine request (a group's n samples go as ONE batched "
         "request; a redrawn sample as one more) and on queueing the finished group for sending: on expiry the "
-        "request is aborted and the group abandoned (queue/abandoned/timeout or send_timeout; the prompt goes "
+        "request is aborted and the group abandoned (replay/abandoned/timeout or send_timeout; the prompt goes "
         "back to the cursor).",
     )
     max_abort_retries: int = Field(
@@ -236,7 +236,7 @@ class RewardConfig(_Section):
         "name(data_source, solution_str, ground_truth, extra_info) with the decoded response and the row's "
         "reward_model.ground_truth and extra_info; returns a float score, or a dict with 'score' and "
         "optionally 'acc' (default score > 0) and 'pred', as verl's. None = the built-in DAPO math reward "
-        "(math_dapo rules). An exception abandons that group (counted as queue/abandoned/score_error) and "
+        "(math_dapo rules). An exception abandons that group (counted as replay/abandoned/score_error) and "
         "its prompt goes back to the cursor; the run goes on.",
     )
     strict_box_verify: bool = Field(
@@ -254,7 +254,7 @@ class RewardConfig(_Section):
         30, gt=0, le=3600, description="Bound (seconds) on scoring one group (its G responses) or one "
         "validation prompt: the reward function runs in a worker process off the engine's event loop, and a "
         "worker still busy after this is killed and replaced; the group is abandoned as "
-        "queue/abandoned/score_timeout and its prompt goes back to the cursor.",
+        "replay/abandoned/score_timeout and its prompt goes back to the cursor.",
     )
     workers: int = Field(
         1, ge=1, le=64, description="Reward worker processes per rollout actor (groups are scored in parallel "
@@ -263,7 +263,7 @@ class RewardConfig(_Section):
     max_score_failures: int = Field(
         3, ge=1, le=1000, description="A training row whose groups failed scoring (timeout or exception) this "
         "many times is quarantined: never issued again for the rest of the run, counted as "
-        "queue/quarantined_prompts, logged once with its row; checkpointed with the cursor.",
+        "replay/quarantined_prompts, logged once with its row; checkpointed with the cursor.",
     )
 
 
@@ -300,15 +300,15 @@ class DynamicSamplingConfig(_Section):
         "whether a group is kept (kept when not all equal). acc = correctness; score = the reward function's "
         "score; seq_reward = score + overlong penalty (the trained reward); seq_final_reward = the same (no KL "
         "term is ever added to the reward here). Unlike verl, a group of one sample is always dropped; a uniform "
-        "group is counted as all-correct / all-wrong by its accuracies, or as queue/dropped_uniform when they "
+        "group is counted as all-correct / all-wrong by its accuracies, or as replay/dropped_uniform when they "
         "are mixed.",
     )
     retire_solved_after: int = Field(
         0, ge=0, le=1000, description="Retire a training prompt once this many of its groups came back "
         "all-correct: the prompt cursor skips its rows (every row with the same prompt) for the rest of the "
         "run, so generation is not spent on prompts the policy has solved (prime-rl's easy-prompt filter; "
-        "Polaris and Skywork-OR1 drop solved prompts). Counted as queue/retired_prompts and "
-        "queue/skipped_retired; checkpointed with the cursor. 0 = never. Needs `enable`.",
+        "Polaris and Skywork-OR1 drop solved prompts). Counted as replay/retired_prompts and "
+        "replay/skipped_retired; checkpointed with the cursor. 0 = never. Needs `enable`.",
     )
 
     @model_validator(mode="after")
@@ -360,7 +360,7 @@ class ReplayConfig(_Section):
     )
     ticket_ttl_s: float = Field(
         1800, gt=0, description="An admitted prompt whose group has not arrived after this many seconds is "
-        "expired: its slot is released, it is counted as queue/abandoned/expired and the prompt goes back "
+        "expired: its slot is released, it is counted as replay/abandoned/expired and the prompt goes back "
         "to the cursor; a group arriving later for it is dropped and counted.",
     )
     silence_timeout_s: float = Field(
@@ -547,123 +547,15 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Config":
-        # Cross-field rules live here so each message can still name the key it is about.
-        if self.algorithm.train_batch_groups % self.learner.mini_batch_groups:
-            raise ValueError(
-                "learner.mini_batch_groups must divide algorithm.train_batch_groups "
-                f"({self.learner.mini_batch_groups} vs {self.algorithm.train_batch_groups})"
-            )
-        if self.reward.overlong_buffer_enable and (
-            self.reward.overlong_buffer_length > self.rollout.max_response_length
-        ):
-            raise ValueError("reward.overlong_buffer_length must be <= rollout.max_response_length")
-        ctx = self.rollout.engine.context_length
-        if ctx is not None and ctx < self.data.max_prompt_length + self.rollout.max_response_length:
-            raise ValueError(
-                "rollout.engine.context_length must be >= data.max_prompt_length + "
-                "rollout.max_response_length"
-            )
-        tc = self.model.bootstrap
-        if tc is not None and tc.sft_target_level is not None and tc.sft_target_level not in self.data.synthetic.levels:
-            raise ValueError(
-                f"model.bootstrap.sft_target_level ({tc.sft_target_level}) must be one of "
-                f"data.synthetic.levels {self.data.synthetic.levels}"
-            )
-        ws, rp, ro, pl, eng = self.weight_sync, self.replay, self.rollout, self.placement, self.rollout.engine
-        if ws.every_k_steps > rp.max_staleness + 1:
-            raise ValueError(
-                f"weight_sync.every_k_steps ({ws.every_k_steps}) must be <= replay.max_staleness + 1 "
-                f"({rp.max_staleness + 1}): groups would be stale before the engines get new weights "
-                "(admission counts the engines' version, hand-out judges staleness at the learner's: deadlock)"
-            )
-        if self.algorithm.dynamic_sampling.enable and ro.n < 2:
-            raise ValueError(
-                f"rollout.n ({ro.n}) must be >= 2 when algorithm.dynamic_sampling.enable: a group of one is "
-                "never mixed, so dynamic sampling would drop every group"
-            )
-        need = (rp.max_staleness + 1) * self.algorithm.train_batch_groups
-        if rp.capacity_groups < need:
-            raise ValueError(
-                f"replay.capacity_groups ({rp.capacity_groups}) must be >= (replay.max_staleness + 1) * "
-                f"algorithm.train_batch_groups = ({rp.max_staleness} + 1) * "
-                f"{self.algorithm.train_batch_groups} = {need}"
-            )
-        if eng.device == "cuda" and pl.engine_gpus != eng.tp_size:
-            raise ValueError(
-                f"placement.engine_gpus ({pl.engine_gpus}) must equal rollout.engine.tp_size ({eng.tp_size}) "
-                "when rollout.engine.device is cuda"
-            )
-        if eng.device == "cpu" and (pl.engine_gpus != 0 or eng.tp_size != 1):
-            raise ValueError(
-                f"rollout.engine.device cpu needs placement.engine_gpus = 0 (got {pl.engine_gpus}) and "
-                f"rollout.engine.tp_size = 1 (got {eng.tp_size})"
-            )
-        if eng.device == "auto" and pl.engine_gpus not in (0, eng.tp_size):
-            raise ValueError(
-                f"placement.engine_gpus ({pl.engine_gpus}) must be 0 or rollout.engine.tp_size "
-                f"({eng.tp_size}) when rollout.engine.device is auto"
-            )
-        if self.learner.mini_batch_groups * ro.n < pl.learner_ranks:
-            raise ValueError(
-                f"learner.mini_batch_groups * rollout.n ({self.learner.mini_batch_groups} * {ro.n} = "
-                f"{self.learner.mini_batch_groups * ro.n}) must be >= placement.learner_ranks "
-                f"({pl.learner_ranks}): every rank needs at least one sample of each mini-batch"
-            )
-        if ro.update_mode == "drain" and ro.drain_timeout_s >= ws.timeout_s:
-            raise ValueError(
-                f"rollout.drain_timeout_s ({ro.drain_timeout_s:g}) must be < weight_sync.timeout_s "
-                f"({ws.timeout_s:g}) with rollout.update_mode drain: the learner's side of the weight group "
-                "would time out while the engine still drains"
-            )
-        if pl.health_check_timeout_s + ws.timeout_s >= rp.silence_timeout_s:
-            raise ValueError(
-                f"placement.health_check_timeout_s + weight_sync.timeout_s ({pl.health_check_timeout_s:g} + "
-                f"{ws.timeout_s:g}) must be < replay.silence_timeout_s ({rp.silence_timeout_s:g}): a hung "
-                "engine (stuck in a request or in a weight update) must be replaced before the learner gives "
-                "up waiting"
-            )
-        # A push call on rank 0 may first join the previous push (up to 2 x weight_sync.timeout_s) and then
-        # broadcast (weight_sync.timeout_s): the call's bound must cover all three.
-        for key, value in (("learner.collective_timeout_s", self.learner.collective_timeout_s),
-                           ("3 * weight_sync.timeout_s", 3 * ws.timeout_s)):
-            if value > pl.call_timeout_s:
-                raise ValueError(
-                    f"{key} ({value:g}) must be <= placement.call_timeout_s ({pl.call_timeout_s:g}): a call "
-                    "must outlive the collectives it waits on, so their own error surfaces"
-                )
-        if rp.ticket_ttl_s <= ro.request_timeout_s:
-            raise ValueError(
-                f"replay.ticket_ttl_s ({rp.ticket_ttl_s:g}) must be > rollout.request_timeout_s "
-                f"({ro.request_timeout_s:g}): a ticket must not expire while its first request may still run (a "
-                "group that still arrives after its ticket expired is dropped and counted, never trained twice)"
-            )
-        _check_multi_node(self)
-        _check_receive_budget(self)
+    def _cross_field_rules(self) -> "Config":
+        """Run every rule of CROSS_FIELD_RULES in order; the first broken one raises its one-line message."""
+        for rule in CROSS_FIELD_RULES:
+            rule(self)
         return self
 
 
 NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def _check_multi_node(cfg: "Config") -> None:
-    """Rules a run on several nodes relies on: every rank writes its checkpoint shards under run_dir (so it
-    must be the same directory on every node) and rollout actors on other nodes connect to the replay
-    queue's bind address."""
-    if cfg.placement.nnodes == 1:
-        return
-    run_dir = cfg.logging.run_dir
-    if not run_dir.is_absolute() or any(run_dir.is_relative_to(d) for d in NODE_LOCAL_DIRS):
-        raise ValueError(
-            f"logging.run_dir ({run_dir}) must be an absolute path on storage shared by all "
-            f"{cfg.placement.nnodes} nodes (placement.nnodes > 1), not relative or under {', '.join(NODE_LOCAL_DIRS)}"
-        )
-    if cfg.transport.bind_host in LOOPBACK_HOSTS:
-        raise ValueError(
-            f"transport.bind_host ({cfg.transport.bind_host}) must be an interface other nodes reach (e.g. 0.0.0.0 "
-            "or this node's address) when placement.nnodes > 1"
-        )
 
 
 # The queue's receiver (transport.GroupReceiver) sizes its zmq buffers with these; they live here so the
@@ -707,7 +599,189 @@ def receive_hwm(budget_bytes: int, max_peers: int, hard_cap: int) -> int:
     return min(RECEIVE_MAX_HWM, (budget_bytes // hard_cap - 1) // max_peers - RECEIVE_PEER_EXTRA)
 
 
-def _check_receive_budget(cfg: "Config") -> None:
+# ------------------------------------------------------------------------------- cross-field rules
+# A rule takes the whole Config and raises ValueError whose one-line message names the dotted keys it is
+# about (pydantic reports these at the root, so the message carries the keys itself). Config runs
+# CROSS_FIELD_RULES in that order; every function named rule_* must be listed there (a test checks it).
+# A rule about one section only stays a validator on that section.
+def rule_mini_batch_divides_train_batch(cfg: Config) -> None:
+    """A training step is split into whole mini-batches; a remainder of groups would fit no update."""
+    if cfg.algorithm.train_batch_groups % cfg.learner.mini_batch_groups:
+        raise ValueError(
+            "learner.mini_batch_groups must divide algorithm.train_batch_groups "
+            f"({cfg.learner.mini_batch_groups} vs {cfg.algorithm.train_batch_groups})"
+        )
+
+
+def rule_overlong_buffer_fits_response(cfg: Config) -> None:
+    """The overlong penalty ramps over the last overlong_buffer_length tokens before L_max: it must fit."""
+    if cfg.reward.overlong_buffer_enable and cfg.reward.overlong_buffer_length > cfg.rollout.max_response_length:
+        raise ValueError("reward.overlong_buffer_length must be <= rollout.max_response_length")
+
+
+def rule_context_fits_prompt_and_response(cfg: Config) -> None:
+    """The engine's context must hold the longest prompt followed by the longest response."""
+    ctx = cfg.rollout.engine.context_length
+    if ctx is not None and ctx < cfg.data.max_prompt_length + cfg.rollout.max_response_length:
+        raise ValueError(
+            "rollout.engine.context_length must be >= data.max_prompt_length + rollout.max_response_length"
+        )
+
+
+def rule_sft_target_level_is_configured(cfg: Config) -> None:
+    """The warm start checks its target on that level's training problems, so the task must have them."""
+    tc, levels = cfg.model.bootstrap, cfg.data.synthetic.levels
+    if tc is not None and tc.sft_target_level is not None and tc.sft_target_level not in levels:
+        raise ValueError(
+            f"model.bootstrap.sft_target_level ({tc.sft_target_level}) must be one of data.synthetic.levels {levels}"
+        )
+
+
+def rule_weight_sync_within_staleness(cfg: Config) -> None:
+    """Engines must get new weights before their groups go stale, or admission and hand-out deadlock."""
+    ws, rp = cfg.weight_sync, cfg.replay
+    if ws.every_k_steps > rp.max_staleness + 1:
+        raise ValueError(
+            f"weight_sync.every_k_steps ({ws.every_k_steps}) must be <= replay.max_staleness + 1 "
+            f"({rp.max_staleness + 1}): groups would be stale before the engines get new weights "
+            "(admission counts the engines' version, hand-out judges staleness at the learner's: deadlock)"
+        )
+
+
+def rule_dynamic_sampling_needs_groups(cfg: Config) -> None:
+    """A group of one sample is never mixed, so dynamic sampling would drop every group."""
+    if cfg.algorithm.dynamic_sampling.enable and cfg.rollout.n < 2:
+        raise ValueError(
+            f"rollout.n ({cfg.rollout.n}) must be >= 2 when algorithm.dynamic_sampling.enable: a group of one is "
+            "never mixed, so dynamic sampling would drop every group"
+        )
+
+
+def rule_capacity_holds_staleness_window(cfg: Config) -> None:
+    """The queue must hold every group that may still be trained: max_staleness + 1 batches of them."""
+    rp, batch = cfg.replay, cfg.algorithm.train_batch_groups
+    need = (rp.max_staleness + 1) * batch
+    if rp.capacity_groups < need:
+        raise ValueError(
+            f"replay.capacity_groups ({rp.capacity_groups}) must be >= (replay.max_staleness + 1) * "
+            f"algorithm.train_batch_groups = ({rp.max_staleness} + 1) * {batch} = {need}"
+        )
+
+
+def rule_cuda_engine_gpus_equal_tp(cfg: Config) -> None:
+    """A cuda engine's actor holds one GPU per tensor-parallel rank of the engine."""
+    eng, pl = cfg.rollout.engine, cfg.placement
+    if eng.device == "cuda" and pl.engine_gpus != eng.tp_size:
+        raise ValueError(
+            f"placement.engine_gpus ({pl.engine_gpus}) must equal rollout.engine.tp_size ({eng.tp_size}) "
+            "when rollout.engine.device is cuda"
+        )
+
+
+def rule_cpu_engine_has_no_gpus(cfg: Config) -> None:
+    """A cpu engine uses no GPU and has no tensor parallelism."""
+    eng, pl = cfg.rollout.engine, cfg.placement
+    if eng.device == "cpu" and (pl.engine_gpus != 0 or eng.tp_size != 1):
+        raise ValueError(
+            f"rollout.engine.device cpu needs placement.engine_gpus = 0 (got {pl.engine_gpus}) and "
+            f"rollout.engine.tp_size = 1 (got {eng.tp_size})"
+        )
+
+
+def rule_auto_engine_gpus_zero_or_tp(cfg: Config) -> None:
+    """An auto engine becomes a cpu engine (no GPU) or a cuda engine (tp_size GPUs)."""
+    eng, pl = cfg.rollout.engine, cfg.placement
+    if eng.device == "auto" and pl.engine_gpus not in (0, eng.tp_size):
+        raise ValueError(
+            f"placement.engine_gpus ({pl.engine_gpus}) must be 0 or rollout.engine.tp_size "
+            f"({eng.tp_size}) when rollout.engine.device is auto"
+        )
+
+
+def rule_every_rank_gets_a_sample(cfg: Config) -> None:
+    """Every learner rank needs at least one sample of each mini-batch."""
+    mini, n, ranks = cfg.learner.mini_batch_groups, cfg.rollout.n, cfg.placement.learner_ranks
+    if mini * n < ranks:
+        raise ValueError(
+            f"learner.mini_batch_groups * rollout.n ({mini} * {n} = {mini * n}) must be >= placement.learner_ranks "
+            f"({ranks}): every rank needs at least one sample of each mini-batch"
+        )
+
+
+def rule_drain_ends_before_weight_sync_timeout(cfg: Config) -> None:
+    """The learner's side of the weight group must not time out while an engine still drains."""
+    ro, ws = cfg.rollout, cfg.weight_sync
+    if ro.update_mode == "drain" and ro.drain_timeout_s >= ws.timeout_s:
+        raise ValueError(
+            f"rollout.drain_timeout_s ({ro.drain_timeout_s:g}) must be < weight_sync.timeout_s "
+            f"({ws.timeout_s:g}) with rollout.update_mode drain: the learner's side of the weight group "
+            "would time out while the engine still drains"
+        )
+
+
+def rule_hung_engine_replaced_before_silence(cfg: Config) -> None:
+    """A hung engine must be replaced before the learner gives up waiting for groups."""
+    pl, ws, rp = cfg.placement, cfg.weight_sync, cfg.replay
+    if pl.health_check_timeout_s + ws.timeout_s >= rp.silence_timeout_s:
+        raise ValueError(
+            f"placement.health_check_timeout_s + weight_sync.timeout_s ({pl.health_check_timeout_s:g} + "
+            f"{ws.timeout_s:g}) must be < replay.silence_timeout_s ({rp.silence_timeout_s:g}): a hung "
+            "engine (stuck in a request or in a weight update) must be replaced before the learner gives "
+            "up waiting"
+        )
+
+
+def _call_outlives(cfg: Config, key: str, value: float) -> None:
+    """Shared by the two call_timeout_s rules: ``key`` (= ``value`` seconds) must fit in one learner call."""
+    if value > cfg.placement.call_timeout_s:
+        raise ValueError(
+            f"{key} ({value:g}) must be <= placement.call_timeout_s ({cfg.placement.call_timeout_s:g}): a call "
+            "must outlive the collectives it waits on, so their own error surfaces"
+        )
+
+
+def rule_call_outlives_collective(cfg: Config) -> None:
+    """A learner call must outlive the collectives it waits on, so their own timeout error surfaces."""
+    _call_outlives(cfg, "learner.collective_timeout_s", cfg.learner.collective_timeout_s)
+
+
+def rule_call_outlives_weight_push(cfg: Config) -> None:
+    """A push call on rank 0 may join the previous push (2 x weight_sync.timeout_s), then broadcast (1 x)."""
+    _call_outlives(cfg, "3 * weight_sync.timeout_s", 3 * cfg.weight_sync.timeout_s)
+
+
+def rule_ticket_outlives_request(cfg: Config) -> None:
+    """A ticket must not expire while its group's first engine request may still run."""
+    rp, ro = cfg.replay, cfg.rollout
+    if rp.ticket_ttl_s <= ro.request_timeout_s:
+        raise ValueError(
+            f"replay.ticket_ttl_s ({rp.ticket_ttl_s:g}) must be > rollout.request_timeout_s "
+            f"({ro.request_timeout_s:g}): a ticket must not expire while its first request may still run (a "
+            "group that still arrives after its ticket expired is dropped and counted, never trained twice)"
+        )
+
+
+def rule_multi_node_run_dir_shared(cfg: Config) -> None:
+    """Every rank writes its checkpoint shards under run_dir, so on several nodes it must be shared storage."""
+    run_dir, nnodes = cfg.logging.run_dir, cfg.placement.nnodes
+    if nnodes > 1 and (not run_dir.is_absolute() or any(run_dir.is_relative_to(d) for d in NODE_LOCAL_DIRS)):
+        raise ValueError(
+            f"logging.run_dir ({run_dir}) must be an absolute path on storage shared by all {nnodes} nodes "
+            f"(placement.nnodes > 1), not relative or under {', '.join(NODE_LOCAL_DIRS)}"
+        )
+
+
+def rule_multi_node_bind_reachable(cfg: Config) -> None:
+    """Rollout actors on other nodes connect to the replay queue's bind address."""
+    if cfg.placement.nnodes > 1 and cfg.transport.bind_host in LOOPBACK_HOSTS:
+        raise ValueError(
+            f"transport.bind_host ({cfg.transport.bind_host}) must be an interface other nodes reach (e.g. 0.0.0.0 "
+            "or this node's address) when placement.nnodes > 1"
+        )
+
+
+def rule_receive_budget_fits_peers(cfg: Config) -> None:
+    """The receiver's zmq buffers must hold, per admitted peer, one queued message plus its extras."""
     t = cfg.transport
     peers, cap = receive_max_peers(t.max_peers, cfg.placement.num_engines), receive_hard_cap(t.max_message_bytes)
     if t.receive_budget_bytes is not None and receive_hwm(t.receive_budget_bytes, peers, cap) < 1:
@@ -717,6 +791,31 @@ def _check_receive_budget(cfg: "Config") -> None:
             f"{t.max_message_bytes}; max_peers None = 2 x placement.num_engines): per admitted peer one queued "
             "message, one being decoded and its handshake properties"
         )
+
+
+# The order is the order the rules are checked in (the first broken one is reported): the data flow of the
+# sections, then the timeouts from the innermost out, then the multi-node and transport rules.
+CROSS_FIELD_RULES = (
+    rule_mini_batch_divides_train_batch,
+    rule_overlong_buffer_fits_response,
+    rule_context_fits_prompt_and_response,
+    rule_sft_target_level_is_configured,
+    rule_weight_sync_within_staleness,
+    rule_dynamic_sampling_needs_groups,
+    rule_capacity_holds_staleness_window,
+    rule_cuda_engine_gpus_equal_tp,
+    rule_cpu_engine_has_no_gpus,
+    rule_auto_engine_gpus_zero_or_tp,
+    rule_every_rank_gets_a_sample,
+    rule_drain_ends_before_weight_sync_timeout,
+    rule_hung_engine_replaced_before_silence,
+    rule_call_outlives_collective,
+    rule_call_outlives_weight_push,
+    rule_ticket_outlives_request,
+    rule_multi_node_run_dir_shared,
+    rule_multi_node_bind_reachable,
+    rule_receive_budget_fits_peers,
+)
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -776,7 +875,7 @@ def _format_error(exc: ValidationError) -> str:
     elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
         msg = str(err["ctx"]["error"])  # our own rule: drop pydantic's "Value error, " prefix
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    # Cross-field rules (Config._cross_checks) sit at the root and name their dotted keys themselves.
+    # Cross-field rules (CROSS_FIELD_RULES) sit at the root and name their dotted keys themselves.
     return f"{key}: {msg}{more}" if key else f"{msg}{more}"
 
 

@@ -1,5 +1,5 @@
 """Start an SGLang engine from the config, on CPU or CUDA. Sampling goes through the rollout actor's one
-path (``rollout._Session``: training groups, validation and ``async-dapo eval`` alike).
+path (``rollout.EngineSession``: training groups, validation and ``async-dapo eval`` alike).
 
 The engine runs in-process (``sglang.Engine``; its scheduler and detokenizer are subprocesses). On CPU,
 :mod:`async_dapo.device` supplies the environment SGLang needs before ``sglang`` is imported.

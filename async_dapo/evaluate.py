@@ -1,5 +1,5 @@
 """Validation metrics: k samples per distinct held-out prompt, drawn by the rollout actors' one sampling
-path (``rollout._Session.validate``, rows spread over every engine) -> avg@k, pass@k, maj@k (levels weighted
+path (``rollout.EngineSession.validate``, rows spread over every engine) -> avg@k, pass@k, maj@k (levels weighted
 equally when the rows have levels, see :func:`val_metrics`)."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def split_rows(rows: list[PromptRow], parts: int) -> list[list[int]]:
 
 
 def merge_parts(parts: list[list[int]], results: list[dict], rows: list[PromptRow]) -> dict[str, float]:
-    """One validation from the engines' results (each ``_Session.validate``'s dict for the rows ``parts``
+    """One validation from the engines' results (each ``EngineSession.validate``'s dict for the rows ``parts``
     gave it): the metrics over all rows, the generated tokens, and the range of policy versions sampled."""
     scores: list = [None] * len(rows)
     for idx, res in zip(parts, results):

@@ -17,22 +17,15 @@ Start-up: every rank builds the model on the meta device, shards it, and reads o
 parameter from the safetensors files (``load_local_shards``): peak memory per rank is about model / world
 plus one tensor, never the whole model.
 
-Weight push (``push_weights``, every rank): each rank copies its own shards, cast to the engine dtype,
-into a snapshot (the only part the training loop waits for), and a background thread gathers the snapshot
-bucket by bucket over a process group of its own (its own communicator; on CUDA its own stream), so the
-next training step runs while the push is under way. Rank 0 broadcasts each gathered bucket to the
-engines over the weight-update group, with at most two buckets in flight (one broadcasting, one
-gathered). When the engines report the new weights loaded, rank 0's thread tells the replay queue the
-new version. The snapshot is a copy, so the next optimizer step cannot change what is being sent.
+Weight push (``push_weights``, every rank): the rank's :class:`~async_dapo.weight_sync.WeightSender`
+snapshots its shards and sends them in the background while the next step trains (see async_dapo.weight_sync).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,24 +36,10 @@ import torch.distributed as dist
 from async_dapo import rank_state
 from async_dapo.batching import MicroBatch, PlannedMiniBatch, plan_step
 from async_dapo.config import Config
-from async_dapo.device import dist_backend, engine_dtype, learner_backend, local_gpu_index, pin_threads, seed_everything
+from async_dapo.device import dist_backend, learner_backend, local_gpu_index, pin_threads, seed_everything
 from async_dapo.loss import entropy_and_token_prob, importance_weights, policy_loss, token_logprobs
-from async_dapo.shards import load_local_shards, materialize, params_on_meta, snapshot, unpad
-from async_dapo.weight_sync import Bucket, close_update_group, flatten, open_update_group, plan_buckets
-
-WEIGHT_GROUP = "async_dapo_weights"  # + a generation suffix: the group is rebuilt when an engine is replaced
-# Wrappers that FSDP2 / activation checkpointing / torch.compile may insert into parameter names.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def sglang_name(name: str) -> str:
-    """The name SGLang's loader expects for a learner parameter. SGLang loads HF checkpoint names (its
-    Qwen2/Qwen3/Llama ``load_weights`` stacks q/k/v and gate/up itself), so the mapping is: strip the
-    wrapper prefixes that training-side wrappers insert, keep the HF name."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
+from async_dapo.shards import load_local_shards, materialize, params_on_meta
+from async_dapo.weight_sync import WeightSender, sglang_name
 
 def learner_device(cfg: Config) -> str:
     return "cuda" if cfg.placement.learner_gpus > 0 else "cpu"
@@ -86,7 +65,7 @@ def pad_counts(plan: list[PlannedMiniBatch]) -> dict[str, float]:
 
 class LearnerWorker:
     """One FSDP2 rank (wrapped by :func:`learner_actor_class` for Ray; drivable without Ray, as
-    tools/gpu_smoke.py does)."""
+    tools/gpu/gpu_smoke.py does)."""
 
     # fp32 master weights. Not a config choice: tests subclass with float64 to check invariances (the
     # 2-rank gradient equals the 1-rank one) where they are exact rather than within fp32 summation order.
@@ -104,10 +83,10 @@ class LearnerWorker:
         dist.init_process_group(learner_backend(self.device), init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size, timeout=timeout)
         # Created in the same order on every rank. Barriers go through gloo (monitored: a missing rank is
-        # named, no NCCL barrier holds a rank); the push gathers over a group of its own so that they can
-        # run beside the training step's collectives.
+        # named, no NCCL barrier holds a rank); the weight push gathers over a group of its own (created by
+        # its sender) so that its collectives can run beside the training step's.
         self._gloo = dist.new_group(backend="gloo", timeout=timeout)
-        self._gather_pg = dist.new_group(backend=learner_backend(self.device), timeout=timeout)
+        self.weights = WeightSender(cfg, rank, world_size, self.device, timeout)
         # Same seed on every rank: the model init and any dropout must agree across FSDP shards.
         seed_everything(cfg.logging.seed)
         self.model = self._build_model()
@@ -120,14 +99,6 @@ class LearnerWorker:
         self.version = 0
         self.skipped_updates = 0
         self.pad_id = self.model.config.pad_token_id or 0
-        self._weight_pg = None
-        self._weight_group_name = WEIGHT_GROUP
-        self._push_dtype: torch.dtype | None = None  # the engines' weight dtype, told by open_weight_group
-        self._push_stream = torch.cuda.Stream() if self.device == "cuda" else None
-        # The push in flight (every rank): its thread and the result dict only that thread writes.
-        self._push_thread: threading.Thread | None = None
-        self._push_state: dict[str, Any] = {}
-        self._push_result: dict[str, Any] = {}  # the last finished push
 
     def _build_model(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -181,10 +152,15 @@ class LearnerWorker:
         are left None: its first training forward runs under exactly those weights, so _micro_loss fills
         them in from there (one forward pass per step saved; the whole pass when a step is one mini-batch)."""
         first = [None] * len(plan[0].micro_batches) if plan else []
-        return [first] + [[self._token_logprobs(self._logits(mb), mb.targets) for mb in p.micro_batches]
-                          for p in plan[1:]]
+        return [first] + [[self.logprobs(mb) for mb in p.micro_batches] for p in plan[1:]]
 
-    def _plan(self, groups) -> list[PlannedMiniBatch]:
+    def logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """Per-token logprobs of ``mb``'s targets under the current weights (one forward; the caller
+        chooses grad mode and train/eval mode)."""
+        return self._token_logprobs(self._logits(mb), mb.targets)
+
+    def plan(self, groups) -> list[PlannedMiniBatch]:
+        """This rank's share of a step on ``groups`` (``batching.plan_step``), on the learner's device."""
         a, lc = self.cfg.algorithm, self.cfg.learner
         plan = plan_step(groups, world_size=self.world, rank=self.rank, groups_per_mini_batch=lc.mini_batch_groups,
                          token_budget=lc.micro_batch_tokens, pad_id=self.pad_id,
@@ -246,7 +222,7 @@ class LearnerWorker:
         t0 = time.perf_counter()
         lc = self.cfg.learner
         self.model.train()
-        plan = self._plan(groups)
+        plan = self.plan(groups)
         prox = self._proximal(plan) if self.cfg.algorithm.correction.mode != "naive" else None
         sums: dict[str, float] = pad_counts(plan)
         norms = []
@@ -294,11 +270,14 @@ class LearnerWorker:
                    advantages_max=adv_max if finite else 0.0, advantages_min=-neg_adv_min if finite else 0.0)
         return out
 
+    # ------------------------------------------------------------------ diagnostics (no caller in a run)
     def gradients(self, groups) -> dict[str, torch.Tensor]:
-        """Full gradients of the FIRST mini-batch of ``groups`` (no optimizer step); for tests that prove
-        the split and the global normalisation. Every rank must call it; all return the same dict."""
+        """Full gradients of the FIRST mini-batch of ``groups`` (no optimizer step): the learner's one
+        debug interface, for checks that the split over ranks and the global normalisation are exact
+        (tests) and that bf16 compute matches fp32 (tools/gpu/gpu_smoke.py). Every rank must call it; all
+        return the same dict."""
         self.model.train()
-        plan = self._plan(groups)
+        plan = self.plan(groups)
         prox = self._proximal(plan) if self.cfg.algorithm.correction.mode != "naive" else None
         self.optimizer.zero_grad(set_to_none=True)
         self._backward_mini_batch(plan[0], prox[0] if prox is not None else None, {})
@@ -306,169 +285,32 @@ class LearnerWorker:
         self.optimizer.zero_grad(set_to_none=True)
         return grads
 
-    # ------------------------------------------------------------------ weight push
+    # ------------------------------------------------------------------ weight push (async_dapo.weight_sync)
     def open_weight_group(self, master_addr: str, master_port: int, world_size: int, group_name: str,
                           dtype: str | None = None) -> None:
         """Rank 0 only: become rank 0 of the weight-update group ``group_name`` (engines join concurrently)
-        and send the engines' weight ``dtype`` (each engine resolves it where it runs and placement passes
-        it on; None = rollout.engine.dtype as this rank's device would resolve it, for direct drivers and
-        tests). An earlier group is destroyed first, which also fails any engine still waiting on it."""
-        ws = self.cfg.weight_sync
-        self.close_weight_group()
-        self._weight_pg = open_update_group(master_addr, master_port, world_size, group_name,
-                                            dist_backend(self.device, ws.backend), ws.timeout_s)
-        self._weight_group_name = group_name
-        self._push_dtype = getattr(torch, dtype) if dtype else None
+        and push in the engines' weight ``dtype`` (None = rollout.engine.dtype as this rank's device would
+        resolve it, for direct drivers and tests). An earlier group is closed first."""
+        self.weights.open(master_addr, master_port, world_size, group_name, dtype,
+                          dist_backend(self.device, self.cfg.weight_sync.backend))
 
     def close_weight_group(self) -> None:
-        """Abandon the current weight-update group (an engine of it died): join the sender, whatever its
-        outcome (its collectives are bounded by their groups' timeouts), then destroy the group — never
-        under a sender that is still using it."""
-        if self._join_sender(self._push_bound_s()) is not None:
-            raise RuntimeError(f"weight push of version {self._push_state['version']}: sender still busy; "
-                               "cannot rebuild the weight group")
-        if self._weight_pg is not None:
-            try:
-                close_update_group(self._weight_pg)
-            except Exception:  # a group whose peer died may refuse a clean destroy; it is dropped anyway
-                pass
-            self._weight_pg = None
+        self.weights.close()
 
-    def _push_bound_s(self) -> float:
-        # The sender's waits: its gathers (collective_timeout_s each, but they fail together), the
-        # broadcasts and the engines' answer (weight_sync.timeout_s each).
-        return 2 * self.cfg.weight_sync.timeout_s
-
-    def _push_plan(self) -> tuple[list[Bucket], dict[str, torch.Tensor]]:
-        """The buckets (engine names, dtype, full shapes) and each parameter by engine name."""
-        dtype = self._push_dtype or getattr(torch, engine_dtype(self.device, self.cfg.rollout.engine.dtype))
-        by_name = {sglang_name(n): p for n, p in self.model.named_parameters()}
-        meta = [(n, dtype, tuple(p.shape)) for n, p in by_name.items()]
-        return plan_buckets(meta, self.cfg.weight_sync.bucket_mb << 20), by_name
-
-    def push_weights(self, engines: list, replay, version: int | None = None) -> dict[str, float]:
-        """Stream the current weights to ``engines``; every rank must call it. Returns once this rank's
-        shards are copied (the snapshot); gathering and sending run in the background (see the module
-        docstring). With no engines and no replay (tools/gpu_smoke.py) Ray is never touched."""
-        version = self.version if version is None else version
-        t0 = time.perf_counter()
-        if (busy := self._join_sender(self._push_bound_s())) is not None:  # never overlap two pushes
-            raise RuntimeError(busy)  # only after the sender's own bounds failed: the groups are unusable
-        # A failed previous push is not raised here: wait_push reports it (rank 0; another rank's gather
-        # fails with rank 0's, the collective being shared), and the orchestrator has already decided to
-        # push again (an engine replacement pushes after rebuilding the group the failure came from).
-        stall = time.perf_counter() - t0
-        buckets, by_name = self._push_plan()
-        shards = self._snapshot(buckets, by_name)
-        ready = None
-        if self._push_stream is not None:  # the snapshot was written on the default stream
-            ready = torch.cuda.Event()
-            ready.record()
-        if self.rank != 0:  # only rank 0 talks to the engines and the queue
-            engines, replay = [], None
-        refs = [e.update_weights.remote(buckets, self._weight_group_name, version) for e in engines]
-        self._push_state = {"version": version}
-        self._push_thread = threading.Thread(target=self._send, daemon=True,
-                                             args=(buckets, shards, ready, refs, replay, version, self._push_state))
-        self._push_thread.start()
-        return {"push_stall_s": stall, "push_blocking_s": time.perf_counter() - t0,
-                "push_bytes": float(sum(b.nbytes for b in buckets)), "push_buckets": float(len(buckets))}
-
-    def _snapshot(self, buckets: list[Bucket], by_name: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's rows of every parameter, cast to the bucket's (engine) dtype before any gather: the
-        gather then moves half the bytes of fp32 master weights, and the optimizer may move on."""
-        shards = {}
-        for b in buckets:
-            for name in b.names:
-                p = by_name[name]
-                local = p.to_local() if hasattr(p, "to_local") else p
-                shards[name] = snapshot(local, p.shape[0], self.world, getattr(torch, b.dtypes[0]))
-        return shards
-
-    def _send(self, buckets: list[Bucket], shards: dict[str, torch.Tensor], ready, refs: list, replay,
-              version: int, state: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
-        try:
-            stream = self._push_stream
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if ready is not None:
-                    stream.wait_event(ready)
-                sent = self._gather_and_broadcast(buckets, shards)
-                if stream is not None:
-                    stream.synchronize()  # this thread only: the training stream never waits for it
-            engine_s = self._engines_loaded(refs, replay, version)
-            state.update(push_s=time.perf_counter() - t0, bytes=sent, engine_s=engine_s, error="")
-        except Exception as exc:  # surfaced by wait_push: a failed push fails the run loudly
-            state.update(error=repr(exc))
-
-    def _gather_and_broadcast(self, buckets: list[Bucket], shards: dict[str, torch.Tensor]) -> int:
-        """Gather each bucket's shards (one all_gather per bucket over the push's own group); rank 0
-        broadcasts it to the engines asynchronously, waiting for the previous bucket's broadcast first:
-        at most two buckets in flight. Returns the bytes broadcast."""
-        sent, pending = 0, None
-        for b in buckets:
-            tensors = self._gather_bucket([shards[n] for n in b.names], b.shapes)
-            if self.rank != 0 or self._weight_pg is None:
-                continue
-            flat = flatten(tensors).to(self.device)
-            if pending is not None:  # Work.wait is bounded by the weight group's timeout (weight_sync.timeout_s)
-                pending[0].wait()
-            pending = (dist.broadcast(flat, src=0, group=self._weight_pg, async_op=True), flat)
-            sent += flat.numel()
-        if pending is not None:
-            pending[0].wait()
-        return sent
-
-    def _gather_bucket(self, parts: list[torch.Tensor], shapes) -> list[torch.Tensor]:
-        if self.world == 1:
-            return [p[: s[0]] for p, s in zip(parts, shapes)]
-        local = torch.cat([p.reshape(-1) for p in parts])
-        gathered = local.new_empty(self.world * local.numel())  # rank after rank
-        dist.all_gather_into_tensor(gathered, local, group=self._gather_pg)
-        if self.rank != 0:  # only rank 0 sends: the others take part in the gather and need nothing back
-            return []
-        return unpad(gathered.view(self.world, -1), self.world, [tuple(s) for s in shapes])
-
-    def _engines_loaded(self, refs: list, replay, version: int) -> float:
-        """Rank 0: wait until the engines report the new weights loaded, then tell the replay queue."""
-        if not refs and replay is None:
-            return 0.0
-        import ray
-
-        timeout = self.cfg.weight_sync.timeout_s
-        engine_s = ray.get(refs, timeout=timeout) if refs else []
-        if replay is not None:
-            ray.get(replay.set_version.remote(version), timeout=timeout)  # the engines run `version` now
-        return max(engine_s) if engine_s else 0.0
-
-    def _join_sender(self, timeout_s: float) -> str | None:
-        """Join the push in flight (if any) and record its result; returns a message if it is still busy."""
-        if self._push_thread is None:
-            return None
-        self._push_thread.join(timeout=timeout_s)
-        if self._push_thread.is_alive():
-            return f"weight push of version {self._push_state['version']}: sender still busy after {timeout_s:.0f} s"
-        self._push_thread, self._push_result = None, dict(self._push_state)
-        return None
+    def push_weights(self, engines: list, on_loaded=None, version: int | None = None) -> dict[str, float]:
+        """Stream the current weights (``version``, default this rank's) to ``engines``; every rank must
+        call it. Returns once this rank's shards are snapshotted; rank 0 calls ``on_loaded(version)`` once
+        the engines report them loaded (``weight_sync.WeightSender.push``). Without engines or a callback
+        (tools/gpu/gpu_smoke.py) Ray is never touched."""
+        return self.weights.push(self.model.named_parameters(), self.version if version is None else version,
+                                 engines, on_loaded)
 
     def wait_push(self) -> float:
-        """Block until the previous push finished (rank 0), at most 2 × weight_sync.timeout_s (the sender's
-        own waits are bounded by it); returns the seconds waited. Raises if that push failed or is still
-        running."""
-        t0 = time.perf_counter()
-        if (busy := self._join_sender(self._push_bound_s())) is not None:
-            raise TimeoutError(busy)
-        self._raise_if_failed()
-        return time.perf_counter() - t0
-
-    def _raise_if_failed(self) -> None:
-        if error := self._push_result.get("error"):
-            self._push_result.update(error="", failed=error)  # reported once; a retried push starts clean
-            raise RuntimeError(f"weight push of version {self._push_result['version']} failed on rank "
-                               f"{self.rank}: {error}")
+        """Wait for the previous push, at most 2 × weight_sync.timeout_s; raises if it failed."""
+        return self.weights.wait()
 
     def last_push(self) -> dict[str, Any]:
-        return dict(self._push_result)
+        return self.weights.last()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
@@ -523,16 +365,16 @@ class LearnerWorker:
             seconds=self.cfg.learner.collective_timeout_s))
 
     def shutdown(self) -> None:
-        if self._push_thread is not None:
-            self._push_thread.join(timeout=self._push_bound_s())
+        self.weights.shutdown()
         dist.destroy_process_group()
 
 
-def learner_actor_class(cfg: Config, **options):
-    """``ray.remote`` wrapper with the configured resources (``options``: extra Ray actor options)."""
+def learner_actor_class(cfg: Config, worker: type = LearnerWorker, **options):
+    """``ray.remote`` wrapper of ``worker`` (LearnerWorker or a subclass of it) with the configured resources
+    (``options``: extra Ray actor options)."""
     import ray
 
     p = cfg.placement
     env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    return ray.remote(LearnerWorker).options(num_cpus=p.learner_cpus, num_gpus=p.learner_gpus,
+    return ray.remote(worker).options(num_cpus=p.learner_cpus, num_gpus=p.learner_gpus,
                                              runtime_env={"env_vars": env}, **options)

@@ -1,5 +1,6 @@
 """DAPO learner math: group advantages, the clipped (and importance-corrected) policy loss,
-its aggregation, entropy / token-probability monitoring, and the sample filters.
+its aggregation, entropy / token-probability monitoring, and the overlong sample filter (the
+dynamic-sampling group filter is the replay queue's: ``replay.keeps_group``).
 
 Pure torch functions with no state; the learner calls them per micro-batch. Shapes: ``[B, T]``
 tensors hold one row per response (response tokens only); ``mask`` marks the tokens that count
@@ -16,7 +17,7 @@ learner multiplies each call's loss by the world size to keep that sum.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -29,7 +30,6 @@ __all__ = [
     "entropy_and_token_prob",
     "group_advantages",
     "importance_weights",
-    "keep_group",
     "masked_mean",
     "policy_loss",
     "token_logprobs",
@@ -494,28 +494,7 @@ def entropy_and_token_prob(
     return entropy, token_prob
 
 
-# --------------------------------------------------------------------------- sample filters
-
-
-def keep_group(accuracies: Iterable[bool | int | float] | Tensor) -> bool:
-    """Dynamic sampling with verl's default metric, ``acc``: keep a prompt's group only if
-    0 < #correct < group size (a tensor-friendly form of ``replay.keeps_group`` on accuracies).
-
-    Takes ACCURACIES (bool or 0/1): a +1/-1 score or an overlong-penalised reward is rejected with
-    ValueError rather than silently misread (the replay queue filters on those with
-    ``algorithm.dynamic_sampling.metric: score / seq_reward``, see ``replay.metric_values``).
-    An empty group and a group of one are not kept (verl keeps singletons; with n = 1
-    dynamic sampling must be off).
-    """
-    flags = accuracies.tolist() if isinstance(accuracies, Tensor) else list(accuracies)
-    for value in flags:
-        if value not in (0, 1):  # True/False compare equal to 1/0
-            raise ValueError(
-                f"accuracies must be booleans or 0/1, got {value!r}: "
-                "filter on accuracy, not on the shaped reward"
-            )
-    correct = sum(1 for value in flags if value)
-    return 0 < correct < len(flags)
+# --------------------------------------------------------------------------- sample filter
 
 
 def apply_overlong_filter(mask: Tensor, truncated: Tensor | Sequence[bool]) -> Tensor:

@@ -9,6 +9,7 @@ them into tags; :class:`MetricsWriter` writes them to ``run_dir/tb`` and appends
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -30,15 +31,15 @@ _LEARNER_TAGS = {
     "advantages_min": "critic/advantages/min", "pad_ratio": "perf/pad_ratio",
 }
 # replay-queue key -> tag
-_QUEUE_TAGS = {
-    "depth": "queue/depth", "dropped_all_correct": "queue/dropped_all_correct",
-    "dropped_all_wrong": "queue/dropped_all_wrong", "dropped_uniform": "queue/dropped_uniform",
-    "rejected_malformed": "queue/rejected_malformed", "rejected_oversized": "queue/rejected_oversized",
-    "rejected_schema": "queue/rejected_schema", "accepted": "queue/accepted", "received": "queue/received",
-    "running": "queue/running", "abandoned": "queue/abandoned", "rejected_auth": "queue/rejected_auth",
-    "rejected_unexpected": "queue/rejected_unexpected", "rejected_peers": "queue/rejected_peers",
-    "retired_prompts": "queue/retired_prompts", "skipped_retired": "queue/skipped_retired",
-    "quarantined_prompts": "queue/quarantined_prompts",
+_REPLAY_TAGS = {
+    "depth": "replay/depth", "dropped_all_correct": "replay/dropped_all_correct",
+    "dropped_all_wrong": "replay/dropped_all_wrong", "dropped_uniform": "replay/dropped_uniform",
+    "rejected_malformed": "replay/rejected_malformed", "rejected_oversized": "replay/rejected_oversized",
+    "rejected_schema": "replay/rejected_schema", "accepted": "replay/accepted", "received": "replay/received",
+    "running": "replay/running", "abandoned": "replay/abandoned", "rejected_auth": "replay/rejected_auth",
+    "rejected_unexpected": "replay/rejected_unexpected", "rejected_peers": "replay/rejected_peers",
+    "retired_prompts": "replay/retired_prompts", "skipped_retired": "replay/skipped_retired",
+    "quarantined_prompts": "replay/quarantined_prompts",
 }
 
 
@@ -80,9 +81,9 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
     gen_tokens_per_s, rollout_idle_ratio (measured by the orchestrator)."""
     out = batch_metrics(groups, trained_version)
     out.update({tag: float(learner[k]) for k, tag in _LEARNER_TAGS.items() if k in learner})
-    out.update({tag: float(queue[k]) for k, tag in _QUEUE_TAGS.items() if k in queue})
-    out["queue/dropped_stale"] = float(queue.get("dropped_stale", 0) + queue.get("dropped_stale_at_handout", 0))
-    out.update({f"queue/{k}": float(v) for k, v in queue.items() if k.startswith("abandoned/")})  # by reason
+    out.update({tag: float(queue[k]) for k, tag in _REPLAY_TAGS.items() if k in queue})
+    out["replay/dropped_stale"] = float(queue.get("dropped_stale", 0) + queue.get("dropped_stale_at_handout", 0))
+    out.update({f"replay/{k}": float(v) for k, v in queue.items() if k.startswith("abandoned/")})  # by reason
     step_s = max(timing["step_s"], 1e-9)
     out.update({
         "perf/time_per_step": step_s, "perf/wait_data_s": timing["wait_data_s"],
@@ -104,9 +105,9 @@ def progress_line(step: int, total: int, m: dict[str, float], eta_s: float) -> s
             f"step {m['perf/time_per_step']:.1f}s wait {m['perf/wait_data_s']:.1f}s ETA {eta_s / 60:.1f} min")
 
 
-# Tags renamed for verl's names (issue 14): old -> new, for reading metrics.jsonl of older runs. Two old
-# names are verl's with another meaning: ``actor/pg_clipfrac_lower`` (was A < 0 and ratio < 1 − ε_low, is
-# now verl's dual-clip fraction) and ``actor/grad_norm``, so rows are renamed only when they are old (see
+# Tags renamed for verl's names: old -> new, for reading metrics.jsonl of older runs. Two old names are
+# verl's with another meaning: ``actor/pg_clipfrac_lower`` (was A < 0 and ratio < 1 − ε_low, is now verl's
+# dual-clip fraction) and ``actor/grad_norm``, so rows are renamed only when they are old (see
 # :func:`upgrade_row`).
 RENAMED_TAGS = {
     "reward/mean": "critic/score/mean",
@@ -117,14 +118,24 @@ RENAMED_TAGS = {
     "actor/grad_norm": "actor/grad_norm_max",  # the largest of the step's updates; verl's is their mean
     "actor/pg_clipfrac_lower": "actor/pg_clipfrac_low_side",
 }
+# The replay queue's counters were ``queue/*``; they are ``replay/*``, the name of the queue's config section.
+RENAMED_PREFIXES = {"queue/": "replay/"}
 
 
 def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A metrics.jsonl row under today's tags: a training-step row written before the rename (it has
-    ``perf/step_s``) gets the new names; any other row is returned as is."""
-    if "perf/step_s" not in row:
-        return row
-    return {RENAMED_TAGS.get(k, k): v for k, v in row.items()}
+    """A metrics.jsonl row under today's tags: a training-step row written before the verl rename (it has
+    ``perf/step_s``) gets the new names, and a ``queue/*`` tag of any row becomes ``replay/*``; a row of
+    today's is returned unchanged."""
+    if "perf/step_s" in row:
+        row = {RENAMED_TAGS.get(k, k): v for k, v in row.items()}
+    return {_renamed_prefix(k): v for k, v in row.items()}
+
+
+def _renamed_prefix(tag: str) -> str:
+    for old, new in RENAMED_PREFIXES.items():
+        if tag.startswith(old):
+            return new + tag[len(old):]
+    return tag
 
 
 class MetricsWriter:
@@ -185,6 +196,17 @@ def val_subsets_line(metrics: dict[str, float]) -> str:
     """'L1 0.612 L2 0.071 ...': the per-subset avg@k of a validation, for its log line."""
     prefix = "val/avg_at_k/"
     return " ".join(f"{k[len(prefix):]} {v:.3f}" for k, v in metrics.items() if k.startswith(prefix))
+
+
+def timed(phase: str):
+    """Method decorator: the call's wall time is charged to ``phase`` of ``self.clock`` (a PhaseClock)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def timed_method(self, *args, **kwargs):
+            with self.clock.phase(phase):
+                return method(self, *args, **kwargs)
+        return timed_method
+    return wrap
 
 
 class PhaseClock:

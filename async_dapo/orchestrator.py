@@ -8,8 +8,8 @@ weights), η = 1 overlaps one step, larger η is fully asynchronous with that bo
 Faults (docs/reliability.md): while it waits for a batch the orchestrator heartbeats the rollout actors and
 replaces a dead or hung one (async_dapo.supervise); a dead learner rank, a queue that cannot fill a batch,
 or silence past ``replay.silence_timeout_s`` stops the run with one line naming what failed and the last
-checkpoint (:class:`~async_dapo.supervise.RunFailed`). Checkpoint metadata is written atomically, and a
-resumed run rewinds metrics.jsonl, prompts.jsonl and TensorBoard to the checkpoint's step.
+checkpoint (:class:`~async_dapo.supervise.RunFailed`). Where things live on disk, which checkpoint a resume
+continues from and what it rewinds is async_dapo.checkpoints.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from async_dapo import checkpoints
+from async_dapo.checkpoints import RunDir
 from async_dapo.config import Config, dump_config
 from async_dapo.data import val_rows
 from async_dapo.evaluate import merge_parts, split_rows, val_sampling_params
 from async_dapo.metrics import (
-    MetricsWriter, PhaseClock, progress_line, rewind_jsonl, step_metrics, val_subsets_line, write_atomic,
+    MetricsWriter, PhaseClock, progress_line, step_metrics, timed, val_subsets_line, write_atomic,
 )
+from async_dapo.wire import read_groups, write_groups
 from async_dapo.supervise import ActorDied, EngineSupervisor, RunFailed, WaitExpired
 
 log = logging.getLogger("async_dapo")
@@ -57,6 +60,7 @@ class Run:
         self.cfg, self.resume = cfg, resume
         self.clock = clock or PhaseClock()
         self.run_dir = Path(cfg.logging.run_dir)
+        self.dir = RunDir(self.run_dir)
         self.step, self.version = 0, 0
         self._started_ray = False
         self._ray_park = None  # set it to let connect_ray's parked thread end
@@ -87,7 +91,7 @@ class Run:
             raise RunFailed(f"{exc}; last checkpoint: {self.last_checkpoint()}") from None
 
     def last_checkpoint(self) -> str:
-        return last_checkpoint(self.run_dir)
+        return checkpoints.last_checkpoint(self.run_dir)
 
     @staticmethod
     def _on_sigterm(signum, frame) -> None:
@@ -107,9 +111,9 @@ class Run:
             check_reward_function(cfg)  # before anything starts: a bad config costs seconds, not a cluster
             check_prompts(cfg)
         # (the CLI archives before it opens run_dir/train.log; this covers callers of train() itself)
-        if self.resume is None and (moved := archive_previous_run(self.run_dir)) is not None:
+        if self.resume is None and (moved := checkpoints.archive_previous_run(self.run_dir)) is not None:
             log.info("run_dir %s held an earlier run: moved it to %s", self.run_dir, moved)
-        dump_config(cfg, self.run_dir / "config.yaml")
+        dump_config(cfg, self.dir.config)
         if not ray.is_initialized():
             with self.clock.phase("ray_start"):
                 self._ray_park = connect_ray(cfg)
@@ -117,12 +121,9 @@ class Run:
         # After ray.init, which installs a SIGTERM handler of its own that skips our cleanup.
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if self.resume is not None:
-            self.ckpt = _checkpoint_to_resume(self.resume)
-            meta = json.loads((self.ckpt / "meta.json").read_text())
-            self.step, self.version = int(meta["step"]), int(meta["version"])
-            for name in ("metrics.jsonl", "prompts.jsonl"):  # the killed run's steps after the checkpoint
-                rewind_jsonl(self.run_dir / name, self.step)
-            discard_later_checkpoints(self.run_dir / "checkpoints", self.step)
+            self.ckpt = checkpoints.resume_target(self.resume)
+            self.step, self.version = checkpoints.read_meta(self.ckpt)
+            checkpoints.rewind_to(self.dir, self.step)  # the killed run's steps after the checkpoint
         with self.clock.phase("placement"):
             self.placed = place(cfg, initial_version=self.version)
         self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, on_replace=self._write_actors,
@@ -139,13 +140,11 @@ class Run:
             self.validate(0)
 
     def _restore(self) -> None:
-        import ray
-
         ckpt = self.ckpt
         versions = self.placed.on_learners("load_checkpoint", str(ckpt))
         if set(versions) != {self.version}:
             raise RunFailed(f"{ckpt}: learner ranks restored versions {versions}, meta.json says {self.version}")
-        self.placed.get(self.placed.replay.load_state_dict.remote(json.loads((ckpt / "replay.json").read_text())),
+        self.placed.get(self.placed.replay.load_state_dict.remote(checkpoints.read_replay_state(ckpt)),
                         "replay state")
         self._push_now(self.version)  # engines restart from model.path: give them the restored weights first
         log.info("resumed from %s at step %d, version %d", ckpt, self.step, self.version)
@@ -168,18 +167,15 @@ class Run:
             self.metrics.close()
 
     # ------------------------------------------------------------------ loop operations
+    @timed("waiting_for_data")
     def next_batch(self) -> list:
-        with self.clock.phase("waiting_for_data"):
-            return self._next_batch()
-
-    def _next_batch(self) -> list:
         t0 = time.perf_counter()
-        if self.cfg.data.replay_batches is not None:
-            batch = read_batch(Path(self.cfg.data.replay_batches) / f"step_{self.step + 1}.bin")
+        if (recorded := self.cfg.data.replay_batches) is not None:
+            batch = read_groups(self.dir.batch(self.step + 1, Path(recorded)))
         else:
             batch = self._await_batch()
         if self.cfg.logging.record_batches:
-            write_batch(batch, self.run_dir / "batches" / f"step_{self.step + 1}.bin")
+            write_groups(batch, self.dir.batch(self.step + 1))
         self._wait_data_s = time.perf_counter() - t0
         self._batch_version = self.version  # the weights this batch is trained on
         return batch
@@ -206,34 +202,39 @@ class Run:
                                 f"{q['depth']} queued, admission capacity {q['capacity_to_admit']}; "
                                 f"abandoned: {why}")
 
+    @timed("training")
     def train(self, batch: list) -> dict[str, float]:
-        with self.clock.phase("training"):
-            stats = self.placed.on_learners("train_step", self.placed.put(batch))[0]
+        stats = self.placed.on_learners("train_step", self.placed.put(batch))[0]
         self.version = int(stats["version"])
         self._write_prompts(batch)
         return stats
 
     def _write_actors(self) -> None:
-        write_atomic(self.run_dir / "actors.json", json.dumps(self.placed.pids()))
+        write_atomic(self.dir.actors, json.dumps(self.placed.pids()))
 
     def _write_prompts(self, batch: list) -> None:
         """prompts.jsonl: the (epoch, prompt index) pairs each step trained on (rewound on resume), so a
         run's data lineage can be audited: no prompt twice in an epoch, none skipped."""
         line = json.dumps({"step": self.step + 1, "prompts": [[g.epoch, g.prompt_index] for g in batch]})
-        with (self.run_dir / "prompts.jsonl").open("a") as f:
+        with self.dir.prompts.open("a") as f:
             f.write(line + "\n")
 
+    @timed("weight_push")
     def push_weights(self) -> None:
         """Push the current weights. If the previous push failed and an engine died or hung under it, the
         supervisor replaces that engine (which pushes the current weights itself); if every engine is
         healthy, the failure was transient and this push simply goes ahead (a second failure in a row
         then stops the run)."""
         t0 = time.perf_counter()
-        with self.clock.phase("weight_push"):
-            self._push_weights()
-        self._push_stall_s = time.perf_counter() - t0  # what the loop lost to the push this step
+        try:
+            if self._previous_push_ok():
+                self.placed.push_weights(self.version)
+        finally:
+            self._push_stall_s = time.perf_counter() - t0  # what the loop lost to the push this step
 
-    def _push_weights(self) -> None:
+    def _previous_push_ok(self) -> bool:
+        """Wait for the previous push; False when it failed and the supervisor replaced an engine (which
+        pushed the current weights already)."""
         try:
             self.placed.wait_push()
         except RunFailed as exc:
@@ -241,11 +242,9 @@ class Run:
                 raise
             self._push_failed_before = True
             log.warning("%s; checking the engines", exc)
-            if self.supervisor.check(self.version, self._push_now):
-                return
-        else:
-            self._push_failed_before = False
-        self.placed.push_weights(self.version)
+            return not self.supervisor.check(self.version, self._push_now)
+        self._push_failed_before = False
+        return True
 
     def _push_now(self, version: int) -> None:
         """Push ``version`` to every engine and wait until they run it (resume, engine replacement)."""
@@ -255,11 +254,8 @@ class Run:
     def due(self, step: int, every: int) -> bool:
         return every > 0 and (step % every == 0 or step == self.cfg.learner.total_steps)
 
+    @timed("logging")
     def log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
-        with self.clock.phase("logging"):
-            self._log(step, batch, stats, t0)
-
-    def _log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
         self._collect_validation(block=False)  # a validation that finished meanwhile
         queue, roll, push = self.placed.step_stats()
         now = time.perf_counter()
@@ -282,19 +278,19 @@ class Run:
         log.info(progress_line(step, self.cfg.learner.total_steps, m, eta))
         self.last_metrics = m
 
+    @timed("validation")
     def validate(self, step: int) -> None:
         """Start a validation of the current weights, its rows spread over every engine; the loop does not
         wait for it. At most one runs at a time: if the previous one is still running, this one is skipped
         and counted (``val/skipped``; a metric never stalls the learner), except at the last step, where the
         previous one is awaited (training is over) so that the final weights are always validated."""
-        with self.clock.phase("validation"):
-            self._collect_validation(block=step == self.cfg.learner.total_steps)
-            if self._val is not None:
-                self._val_skipped += 1
-                log.warning("validation at step %d skipped: the one started at step %d is still running "
-                            "(%d skipped so far, val/skipped)", step, self._val["step"], self._val_skipped)
-                return
-            self._start_validation(step)
+        self._collect_validation(block=step == self.cfg.learner.total_steps)
+        if self._val is not None:
+            self._val_skipped += 1
+            log.warning("validation at step %d skipped: the one started at step %d is still running "
+                        "(%d skipped so far, val/skipped)", step, self._val["step"], self._val_skipped)
+            return
+        self._start_validation(step)
 
     def _start_validation(self, step: int) -> None:
         if self._val_rows is None:  # built once: a file's dedup is logged once
@@ -335,20 +331,13 @@ class Run:
                  lg.val_n, res["val/pass_at_k"], lg.val_n, res["val/maj_at_k"], val_subsets_line(res))
         self.last_val = res
 
+    @timed("checkpoint")
     def checkpoint(self, step: int) -> None:
-        with self.clock.phase("checkpoint"):
-            self._checkpoint(step)
-
-    def _checkpoint(self, step: int) -> None:
-        ckpt = self.run_dir / "checkpoints" / f"step_{step}"
-        (ckpt / "meta.json").unlink(missing_ok=True)  # re-saving a step: incomplete until meta is rewritten
+        ckpt = self.dir.step_dir(step)
+        checkpoints.begin(ckpt)
         self.placed.on_learners("save_checkpoint", str(ckpt))
         state = self.placed.get(self.placed.replay.state_dict.remote(), "replay state")
-        write_atomic(ckpt / "replay.json", json.dumps(state))
-        meta = json.dumps({"step": step, "version": self.version})
-        write_atomic(ckpt / "meta.json", meta)  # written last: a checkpoint without it is incomplete
-        write_atomic(self.run_dir / "checkpoints" / "latest.json", meta)
-        _prune(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last)
+        checkpoints.commit(self.dir, ckpt, step, self.version, state, self.cfg.checkpoint.keep_last)
         log.info("checkpoint %s", ckpt)
 
     def finish(self) -> dict[str, Any]:
@@ -361,91 +350,5 @@ class Run:
                 raise
             log.warning("the last weight push failed (%s); the learners' checkpoint and export are unaffected", exc)
         if self.cfg.checkpoint.export_hf:
-            self.placed.on_learners("export_hf", str(self.run_dir / "hf"))
+            self.placed.on_learners("export_hf", str(self.dir.hf))
         return {**getattr(self, "last_metrics", {}), **getattr(self, "last_val", {})}
-
-
-def last_checkpoint(run_dir: Path) -> str:
-    """The stop line's "last checkpoint" part: the newest complete checkpoint and how to continue, or none."""
-    latest = _latest_complete(run_dir / "checkpoints")
-    return f"{latest} (continue with --resume {run_dir})" if latest else "none"
-
-
-def archive_previous_run(run_dir: Path) -> Path | None:
-    """A fresh (not resumed) run must not append to an earlier run's metrics or mix checkpoints with it,
-    and must not delete it either: the earlier run is renamed to ``<run_dir>.<n>`` (first free n).
-    Returns the new name, or None when ``run_dir`` holds no run."""
-    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
-        return None
-    n = 1
-    while (moved := run_dir.with_name(f"{run_dir.name}.{n}")).exists():
-        n += 1
-    run_dir.rename(moved)
-    return moved
-
-
-def _complete(ckpt: Path) -> bool:
-    """A checkpoint counts only with its metadata (written last, atomically) and its replay state."""
-    try:
-        meta = json.loads((ckpt / "meta.json").read_text())
-        return int(meta["step"]) >= 0 and (ckpt / "replay.json").exists()
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``step_<N>`` checkpoint directory under ``root``, oldest first."""
-    return sorted((int(p.name[5:]), p) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
-
-
-def _latest_complete(root: Path) -> Path | None:
-    done = [p for _, p in _step_dirs(root) if _complete(p)]
-    return done[-1] if done else None
-
-
-def _checkpoint_to_resume(path: Path) -> Path:
-    """``--resume`` takes a run directory (its newest complete checkpoint) or one checkpoint directory. A
-    checkpoint without its metadata (the run died while writing it) is never chosen."""
-    if (path / "meta.json").exists() or path.parent.name == "checkpoints":
-        if not _complete(path):
-            raise FileNotFoundError(f"--resume {path}: incomplete checkpoint (no valid meta.json/replay.json)")
-        return path
-    latest = _latest_complete(path / "checkpoints")
-    if latest is None:
-        raise FileNotFoundError(f"--resume {path}: no complete checkpoint under {path / 'checkpoints'}")
-    return latest
-
-
-def write_batch(groups: list, path: Path) -> None:
-    import msgpack
-
-    from async_dapo.wire import encode_group
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(msgpack.packb([encode_group(g) for g in groups]))
-
-
-def read_batch(path: Path) -> list:
-    import msgpack
-
-    from async_dapo.wire import decode_group
-
-    return [decode_group(b) for b in msgpack.unpackb(path.read_bytes())]
-
-
-def _prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints (incomplete ones never count toward them)."""
-    import shutil
-
-    done = [p for _, p in _step_dirs(root) if _complete(p)]
-    for old in done[:-keep]:
-        shutil.rmtree(old)
-
-
-def discard_later_checkpoints(root: Path, step: int) -> list[Path]:
-    """Resuming from ``step`` abandons the branch after it: its checkpoints are renamed
-    ``step_N.discarded-<time>`` so that neither ``--resume RUN_DIR`` nor the stop message ever points at them."""
-    later = [p for n, p in _step_dirs(root) if n > step]
-    for p in later:
-        p.rename(p.with_name(f"{p.name}.discarded-{time.strftime('%Y%m%d-%H%M%S')}"))
-    return later

@@ -1,9 +1,9 @@
 """Place a run's actors with Ray and wire them: one placement group (a bundle per engine and per learner
 rank, CPU or GPU from the config), the replay-queue actor, the zmq stream, the learners' process group and
-the weight-update group (learner rank 0 + every engine rank). Also the fan-out helpers the orchestrator
-uses, the pieces the supervisor (async_dapo.supervise) replaces a rollout actor with, and an orderly shutdown
-by handle. Every wait is bounded by the config (placement.start_timeout_s, call_timeout_s,
-weight_sync.timeout_s).
+the weight-update group (async_dapo.weight_sync.WeightGroup: learner rank 0 + every engine rank). Also the
+fan-out helpers the orchestrator uses, the pieces the supervisor (async_dapo.supervise) replaces a rollout
+actor with, and an orderly shutdown by handle. Every wait is bounded by the config
+(placement.start_timeout_s, call_timeout_s, weight_sync.timeout_s).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 from async_dapo.config import Config
 from async_dapo.device import dist_backend
-from async_dapo.learner import WEIGHT_GROUP, learner_actor_class, learner_device
-from async_dapo.replay_service import replay_actor_class
+from async_dapo.learner import learner_actor_class, learner_device
+from async_dapo.replay_queue import replay_actor_class
 from async_dapo.rollout import rollout_actor_class
 from async_dapo.supervise import ActorDied, RunFailed, WaitExpired, cause_of, wait_all
+from async_dapo.weight_sync import ActorCallback, WeightGroup
 
 log = logging.getLogger("async_dapo")
 
@@ -58,7 +59,7 @@ class Placed:
     replay: Any
     engines: list = field(default_factory=list)
     learners: list = field(default_factory=list)
-    group_generation: int = 0  # the weight-update group is rebuilt (a new name) when an engine is replaced
+    weights: WeightGroup | None = None  # the weight-update group (rebuilt when an engine is replaced)
     _engine_stats_refs: tuple | None = None  # (get_stats refs, when asked): collected at the next step_stats
 
     def get(self, refs, what: str, timeout_s: float | None = None):
@@ -108,7 +109,10 @@ class Placed:
         self.get([e.start.remote(self.replay, address, secret) for e in engines], "start rollouts")
 
     def push_weights(self, version: int) -> None:
-        self.on_learners("push_weights", self.engines, self.replay, version)
+        """Every learner rank pushes ``version``; once the engines loaded it, rank 0 tells the replay queue
+        (``set_version``: admission counts the version the engines run)."""
+        loaded = ActorCallback(self.replay, "set_version", self.cfg.weight_sync.timeout_s)
+        self.on_learners("push_weights", self.engines, loaded, version)
 
     def wait_push(self) -> float:
         """Wait for the previous push; RunFailed if it failed (ActorDied if learner rank 0 died)."""
@@ -154,7 +158,7 @@ class Placed:
         return {"rollout": {i: s.get("pid") if isinstance(s, dict) else None for i, s in engines.items()},
                 "learner": {str(r): pid(a.pid.remote()) for r, a in enumerate(self.learners)},
                 "replay": pid(self.replay.pid.remote()),
-                "weight_group": weight_group_name(self.group_generation)}
+                "weight_group": self.weights.name if self.weights else None}
 
     def bundle(self, index: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -168,20 +172,7 @@ class Placed:
         return engine
 
     def rebuild_weight_group(self) -> None:
-        """A new weight-update group (new name, new port) with every current engine: the learner closes the
-        old one first, which also fails any engine still blocked in it; survivors then leave it."""
-        import ray
-
-        old = weight_group_name(self.group_generation)
-        self.get(self.learners[0].close_weight_group.remote(), "close weight group",
-                 2 * self.cfg.weight_sync.timeout_s)
-        for e in self.engines:
-            try:
-                ray.get(e.leave_weight_group.remote(old), timeout=self.cfg.weight_sync.timeout_s)
-            except Exception as exc:  # the replacement never joined the old group
-                log.debug("leave %s: %r", old, exc)
-        self.group_generation += 1
-        _join_weight_group(self, *_endpoint(self.cfg, self.pg, len(self.engines)))
+        self.weights.rebuild(self.learners[0], self.engines)
 
     def shutdown(self) -> None:
         """End what this run started, by handle: engines (SGLang processes), learners, queue, the group."""
@@ -228,10 +219,6 @@ def connect_ray(cfg: Config) -> threading.Event:
     return park
 
 
-def weight_group_name(generation: int) -> str:
-    return f"{WEIGHT_GROUP}_{generation}"
-
-
 def place(cfg: Config, initial_version: int = 0) -> Placed:
     """Create and wire every actor of a run; returns when all are ready (or raises naming what is not,
     after placement.start_timeout_s)."""
@@ -258,7 +245,9 @@ def place(cfg: Config, initial_version: int = 0) -> Placed:
                        for r in range(n_lrn)]
     placed.get([e.get_stats.remote() for e in placed.engines] + [r.ready.remote() for r in placed.learners],
                f"start of {n_eng} engine(s) and {n_lrn} learner rank(s)", p.start_timeout_s)
-    _join_weight_group(placed, *_endpoint(cfg, pg, n_eng))
+    placed.weights = WeightGroup(cfg, dist_backend(learner_device(cfg), cfg.weight_sync.backend), placed.get,
+                                 lambda: _endpoint(cfg, pg, n_eng))
+    placed.weights.open(placed.learners[0], placed.engines)
     log.info("placed %d engine(s) and %d learner rank(s)", n_eng, n_lrn)
     return placed
 
@@ -273,20 +262,3 @@ def check_nodes(cfg: Config, pg) -> None:
         raise RunFailed(f"the placement spans {len(nodes)} nodes but placement.nnodes is {cfg.placement.nnodes}: "
                         "set placement.nnodes (a multi-node run also needs an absolute logging.run_dir on shared "
                         "storage and transport.bind_host set to this node's interface, e.g. 0.0.0.0)")
-
-
-def _join_weight_group(placed: Placed, host: str, port: int) -> None:
-    cfg = placed.cfg
-    tp = cfg.rollout.engine.tp_size
-    world = 1 + tp * len(placed.engines)
-    backend = dist_backend(learner_device(cfg), cfg.weight_sync.backend)
-    name = weight_group_name(placed.group_generation)
-    dtypes = set(placed.get([e.weight_dtype.remote() for e in placed.engines], "engines' weight dtype"))
-    if len(dtypes) != 1:
-        raise RunFailed(f"engines hold their weights in different dtypes {sorted(dtypes)}: set rollout.engine.dtype")
-    joins = [e.join_weight_group.remote(host, port, world, 1 + i * tp, name, backend)
-             for i, e in enumerate(placed.engines)]
-    timeout = cfg.weight_sync.timeout_s
-    placed.get(placed.learners[0].open_weight_group.remote(host, port, world, name, dtypes.pop()), f"open {name}",
-               timeout)
-    placed.get(joins, f"engines joining {name}", timeout)

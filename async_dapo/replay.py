@@ -44,7 +44,6 @@ __all__ = [
     "FILTER_METRICS",
     "FREES_ADMISSION",
     "OUTCOMES",
-    "FakeVersionSource",
     "GroupLike",
     "ReplayPolicy",
     "ReplayStats",
@@ -143,20 +142,6 @@ class VersionSource(Protocol):
     """The learner's current policy version (the number of optimizer steps it has published)."""
 
     def current(self) -> int: ...
-
-
-class FakeVersionSource:
-    """A settable version source, so the policy is testable without a learner."""
-
-    def __init__(self, version: int = 0) -> None:
-        self.version = version
-
-    def current(self) -> int:
-        return self.version
-
-    def advance(self, steps: int = 1) -> int:
-        self.version += steps
-        return self.version
 
 
 G = TypeVar("G", bound=GroupLike)

@@ -7,8 +7,8 @@ thread, then runs the engine's loop forever on one background thread; every Ray 
 thread pool, ``max_concurrency`` > 1) submits a coroutine to that loop and waits for its result.
 
 Producer loop: ask the replay queue for admission (it blocks while the staleness bound is reached, and
-hands out prompt indices from its epoch-aware cursor), start G samples per admitted prompt, score each
-finished sample (math reward + soft overlong penalty), and when all G are done send one
+hands out prompt indices from its epoch-aware cursor), request G samples per admitted prompt as one
+batch, score the G together in a reward worker (math reward + soft overlong penalty), and send them as one
 :class:`~async_dapo.wire.Group` over zmq.
 
 Weight updates, three modes (``rollout.update_mode``), all exact about per-token policy versions:
@@ -17,13 +17,13 @@ Weight updates, three modes (``rollout.update_mode``), all exact about per-token
   Per-token versions come from SGLang's ``weight_versions`` spans.
 * ``drain``: stop admitting, wait until every running sample finished, load, admit again.
 * ``abort``: abort running requests, load, resample the aborted ones from scratch.
-Every load is wrapped in ``begin_weight_update``/``end_weight_update`` (SGLang 0.5.23 refuses otherwise);
-a refused load raises here, and the caller fails the sender rather than leaving it hanging.
+The load itself (and joining or leaving the weight-update group) is ``async_dapo.weight_sync``'s engine
+end; a refused load raises here, and the caller fails the sender rather than leaving it hanging.
 
 Failures never lose a prompt: a group whose sampling, scoring, encoding or sending fails (engine error,
 exception in the reward function, oversized or unsendable message, request aborted by the engine more than
 ``rollout.max_abort_retries`` times, or unanswered for ``rollout.request_timeout_s``) is reported to the
-replay queue with :meth:`~async_dapo.replay_service.ReplayService.abandon` and a reason; the queue frees
+replay queue with :meth:`~async_dapo.replay_queue.ReplayQueue.abandon` and a reason; the queue frees
 its admission slot and gives the prompt back to the cursor. ``health`` is the supervisor's heartbeat: one
 1-token request through the engine, and the state of the producer task.
 """
@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from async_dapo import weight_sync
 from async_dapo.config import Config
 from async_dapo.data import PromptRow, encode_prompt, train_rows
 from async_dapo.device import engine_dtype, pin_threads, resolve_device, seed_everything
@@ -57,12 +58,8 @@ ADMIT_WAIT_S = 5.0  # one admit call waits at most this long in the queue: the p
 CANCEL_GRACE_S = 10.0  # after a timeout, how long a cancelled call may take to abort its engine requests
 
 
-class WeightUpdateError(RuntimeError):
-    """SGLang refused a weight update (the message says why)."""
-
-
 class GroupFailed(RuntimeError):
-    """A group cannot be completed; ``reason`` is the ``queue/abandoned/<reason>`` it is counted under."""
+    """A group cannot be completed; ``reason`` is the ``replay/abandoned/<reason>`` it is counted under."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -91,6 +88,24 @@ def token_versions(spans: list[dict] | None, length: int, fallback: int) -> np.n
             version = fallback
         out[span["start"] : span["end"]] = version
     return out
+
+
+def sampling_params(cfg: Config) -> dict[str, Any]:
+    """SGLang sampling parameters of a training sample (rollout.temperature, top_p, top_k, max_response_length)."""
+    r = cfg.rollout
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length}
+
+
+def fit_prompt(cfg: Config, prompt: list[int], index: int) -> list[int]:
+    """Prompt ``index``'s token ids as sent to the engine. data.truncation 'left' keeps the last
+    max_prompt_length tokens; 'error' rows were rejected at load, so a longer prompt here means the rows
+    changed under us (GroupFailed prompt_too_long)."""
+    limit = cfg.data.max_prompt_length
+    if len(prompt) <= limit:
+        return prompt
+    if cfg.data.truncation == "left":
+        return prompt[-limit:]
+    raise GroupFailed("prompt_too_long", f"prompt {index}: {len(prompt)} tokens > data.max_prompt_length {limit}")
 
 
 async def gather_all(coros) -> list:
@@ -122,9 +137,10 @@ class _Stats:
     started_at: float = field(default_factory=time.time)
 
 
-class _Session:
-    """Everything that runs on the engine's event loop (all coroutines live here: a Ray actor class with
-    any ``async def`` becomes an asyncio actor, which is not what the engine needs)."""
+class EngineSession:
+    """One engine's sampling, scoring, producing and weight updates: everything that runs on the engine's
+    event loop (all coroutines live here, not on :class:`RolloutWorker`: a Ray actor class with any
+    ``async def`` becomes an asyncio actor, which is not what the engine needs)."""
 
     def __init__(self, cfg: Config, rank: int, version: int, tokenizer, rows: list[PromptRow], tm) -> None:
         self.cfg, self.rank, self.version = cfg, rank, version
@@ -145,11 +161,6 @@ class _Session:
         self._send_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="group-send")
 
     # ------------------------------------------------------------------ sampling
-    def _sampling_params(self) -> dict[str, Any]:
-        r = self.cfg.rollout
-        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                "max_new_tokens": r.max_response_length}
-
     async def _request(self, prompt_ids: list[int], params: dict[str, Any], n: int | None = None, *,
                        rid: str | None = None) -> Any:
         """One engine request, bounded by ``rollout.request_timeout_s`` (aborted on expiry): one completion,
@@ -259,23 +270,13 @@ class _Session:
             truncated=finish == "length", finish_reason=finish, gen_seconds=out["_seconds"],
         )
 
-    def _fit(self, prompt: list[int], index: int) -> list[int]:
-        """data.truncation: 'left' keeps the last max_prompt_length tokens; 'error' rows were rejected at
-        load, so a longer prompt here means the rows changed under us."""
-        limit = self.cfg.data.max_prompt_length
-        if len(prompt) <= limit:
-            return prompt
-        if self.cfg.data.truncation == "left":
-            return prompt[-limit:]
-        raise GroupFailed("prompt_too_long", f"prompt {index}: {len(prompt)} tokens > data.max_prompt_length {limit}")
-
     async def sample_group(self, group_id: str, epoch: int, index: int, admitted_version: int) -> Group:
         """G scored samples of prompt ``index`` as one group."""
         row = self.rows[index]
         if index not in self._prompt_ids:  # a prompt comes back every epoch: tokenize it once
-            self._prompt_ids[index] = self._fit(encode_prompt(self.tokenizer, row), index)
+            self._prompt_ids[index] = fit_prompt(self.cfg, encode_prompt(self.tokenizer, row), index)
         prompt = self._prompt_ids[index]
-        params = self._sampling_params()
+        params = sampling_params(self.cfg)
         outs = await self.sample_n(prompt, params, self.cfg.rollout.n)
         results = await self._score_texts(row, self._texts(outs))
         samples = tuple(self._sample(o, r) for o, r in zip(outs, results))
@@ -288,10 +289,6 @@ class _Session:
             created_at=time.time(), admitted_version=admitted_version,
         )
 
-    async def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
-        """One completion per prompt by the training path (:meth:`sample_once`): SGLang's output dicts."""
-        return await gather_all(self.sample_once(p, params) for p in prompts)
-
     async def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, Any]:
         """``k`` samples of each row by the same path as training groups (:meth:`sample_n`), scored by the
         run's reward function: per-row (avg, pass, maj) scores (``evaluate.result_scores``), the generated
@@ -299,7 +296,7 @@ class _Session:
         pushed while a validation runs: the learner does not wait for it)."""
         from async_dapo.evaluate import result_scores
 
-        prompts = [self._fit(encode_prompt(self.tokenizer, r), i) for i, r in enumerate(rows)]
+        prompts = [fit_prompt(self.cfg, encode_prompt(self.tokenizer, r), i) for i, r in enumerate(rows)]
         groups = await gather_all(self.sample_n(p, params, k) for p in prompts)
         texts = [self._texts(g) for g in groups]
         results = await gather_all(self._score_texts(r, t) for r, t in zip(rows, texts))
@@ -390,19 +387,6 @@ class _Session:
                 await asyncio.wait({task}, timeout=1.0)
 
     # ------------------------------------------------------------------ weights
-    async def join(self, obj) -> None:
-        ok, msg = await self.tm.init_weights_update_group(obj, None)
-        if not ok:
-            raise WeightUpdateError(f"init_weights_update_group refused: {msg}")
-
-    async def leave(self, group_name: str) -> None:
-        """Destroy our side of a weight-update group (before joining its successor)."""
-        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
-
-        ok, msg = await self.tm.destroy_weights_update_group(DestroyWeightsUpdateGroupReqInput(group_name=group_name))
-        if not ok:
-            log.warning("destroy_weights_update_group(%s): %s", group_name, msg)
-
     async def _until_idle(self) -> None:
         """Wait until the engine has no running request (drain mode). SGLang offers no completion event
         for "all requests done", so this polls its request table every 10 ms."""
@@ -413,31 +397,6 @@ class _Session:
                 raise TimeoutError(f"drain: {len(self.tm.rid_to_state)} requests still running after "
                                    f"{timeout_s:.0f} s (rollout.drain_timeout_s)")
             await asyncio.sleep(0.01)
-
-    async def _load(self, buckets, group_name: str, version: int) -> None:
-        from sglang.srt.managers.io_struct import (
-            BeginWeightUpdateReqInput, EndWeightUpdateReqInput, UpdateWeightsFromDistributedReqInput,
-        )
-
-        ok, msg = await self.tm.begin_weight_update(BeginWeightUpdateReqInput(), None)
-        if not ok:
-            raise WeightUpdateError(f"begin_weight_update refused: {msg}")
-        try:
-            for bucket in buckets:  # the learner broadcasts them in this order
-                ok, msg = await self.tm.update_weights_from_distributed(
-                    UpdateWeightsFromDistributedReqInput(
-                        names=list(bucket.names), dtypes=list(bucket.dtypes),
-                        shapes=[list(x) for x in bucket.shapes], group_name=group_name,
-                        weight_version=str(version), load_format="flattened_bucket",
-                        flush_cache=bucket is buckets[-1]),  # once per update: the cache is stale only at the end
-                    None,
-                )
-                if not ok:
-                    break
-        finally:
-            end_ok, end_msg = await self.tm.end_weight_update(EndWeightUpdateReqInput(), None)
-        if not ok or not end_ok:
-            raise WeightUpdateError(f"weight update to version {version} refused: {msg if not ok else end_msg}")
 
     async def update(self, buckets, group_name: str, version: int, mode: str) -> float:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
@@ -454,7 +413,7 @@ class _Session:
             else:
                 pause = PauseGenerationReqInput(mode="retract" if mode == "inflight" else "abort")
                 await self.tm.pause_generation(pause)
-            await self._load(buckets, group_name, version)
+            await weight_sync.load(self.tm, buckets, group_name, version)
             self.version = version
         finally:
             try:
@@ -488,7 +447,7 @@ class RolloutWorker:
         seed_everything(cfg.logging.seed + 1000 + engine_rank)
         self.loop: asyncio.AbstractEventLoop = self.engine.loop
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-        self.session = _Session(cfg, engine_rank, initial_version, tokenizer, train_rows(cfg),
+        self.session = EngineSession(cfg, engine_rank, initial_version, tokenizer, train_rows(cfg),
                                 self.engine.tokenizer_manager)
         self._thread = threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True)
         self._thread.start()
@@ -496,7 +455,7 @@ class RolloutWorker:
 
     def _call(self, coro, timeout: float, what: str, grace_s: float = CANCEL_GRACE_S) -> Any:
         """Run ``coro`` on the engine loop from any thread and return its result. On expiry the coroutine is
-        cancelled, which aborts the engine requests it started (``_Session._request``), and TimeoutError names
+        cancelled, which aborts the engine requests it started (``EngineSession._request``), and TimeoutError names
         ``what``: a timed-out call does not keep the engine busy behind the caller's back."""
         finished = threading.Event()
 
@@ -525,7 +484,7 @@ class RolloutWorker:
 
     def health(self, timeout_s: float) -> dict[str, float]:
         """Raise if the producer task ended or the engine shows no sign of life in ``timeout_s`` (see
-        ``_Session.probe``); else return the stats."""
+        ``EngineSession.probe``); else return the stats."""
         if self._producer is not None and self._producer.done():
             raise RuntimeError(f"engine {self.session.rank}: producer ended: {self._producer.exception()!r}")
         try:
@@ -536,16 +495,14 @@ class RolloutWorker:
         return self.get_stats()
 
     def leave_weight_group(self, group_name: str) -> None:
-        self._call(self.session.leave(group_name), self.session.cfg.weight_sync.timeout_s, f"leave {group_name}")
+        self._call(weight_sync.leave_group(self.session.tm, group_name), self.session.cfg.weight_sync.timeout_s,
+                   f"leave {group_name}")
 
     def join_weight_group(self, master_addr: str, master_port: int, world_size: int, rank_offset: int,
                           group_name: str, backend: str) -> None:
-        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
-
-        self._call(self.session.join(InitWeightsUpdateGroupReqInput(
-            master_address=master_addr, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend)), self.session.cfg.weight_sync.timeout_s,
-            f"join {group_name}")
+        self._call(weight_sync.join_group(self.session.tm, master_addr, master_port, world_size, rank_offset,
+                                          group_name, backend),
+                   self.session.cfg.weight_sync.timeout_s, f"join {group_name}")
 
     def weight_dtype(self) -> str:
         """The dtype this engine holds its weights in, resolved here (the driver may be a CPU-only head that
@@ -556,7 +513,7 @@ class RolloutWorker:
     def update_weights(self, buckets: list, group_name: str, version: int, mode: str | None = None) -> float:
         """Receive one pushed version — ``buckets`` (weight_sync.Bucket) describe the flat broadcasts the
         learner sends meanwhile, in order — and run it. ``mode`` overrides rollout.update_mode. Returns
-        seconds spent. Raises WeightUpdateError if SGLang refused."""
+        seconds spent. Raises weight_sync.WeightUpdateError if SGLang refused."""
         mode = mode or self.session.cfg.rollout.update_mode
         if mode not in ("inflight", "drain", "abort"):
             raise ValueError(f"mode: unknown update mode {mode!r}")
@@ -565,19 +522,11 @@ class RolloutWorker:
         return self._call(self.session.update(buckets, group_name, version, mode), cfg.weight_sync.timeout_s + drain,
                           f"weight update to version {version} (weight_sync.timeout_s)")
 
-    def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
-        """Plain sampling for validation and tests (not admitted through the queue)."""
-        return self._call(self.session.generate(prompts, params), self.session.cfg.logging.val_timeout_s, "generate")
-
     def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, Any]:
-        """This engine's share of a validation (see ``_Session.validate``; ``evaluate.merge_parts`` joins
+        """This engine's share of a validation (see ``EngineSession.validate``; ``evaluate.merge_parts`` joins
         the engines' shares)."""
         return self._call(self.session.validate(rows, k, params), self.session.cfg.logging.val_timeout_s,
                           "validation (logging.val_timeout_s)")
-
-    def num_running_requests(self) -> int:
-        """Requests the engine is working on right now (tests use it to update mid-generation)."""
-        return len(self.session.tm.rid_to_state)
 
     def get_stats(self) -> dict[str, float]:
         s = self.session.stats
@@ -599,16 +548,16 @@ class RolloutWorker:
         self.engine.shutdown()
 
 
-def rollout_actor_class(cfg: Config, **options):
-    """``ray.remote`` wrapper with the resources and environment the config asks for (``options``: extra
-    Ray actor options, e.g. a scheduling strategy)."""
+def rollout_actor_class(cfg: Config, worker: type = RolloutWorker, **options):
+    """``ray.remote`` wrapper of ``worker`` (RolloutWorker or a subclass of it) with the resources and
+    environment the config asks for (``options``: extra Ray actor options, e.g. a scheduling strategy)."""
     import ray
 
     p = cfg.placement
     # Nothing device-specific is decided here, on the driver: the actor resolves its own device and sets
     # up SGLang's environment itself (engine.start_engine -> device.activate_sglang_env).
     env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    return ray.remote(RolloutWorker).options(
+    return ray.remote(worker).options(
         num_cpus=p.engine_cpus, num_gpus=p.engine_gpus, max_concurrency=8,
         runtime_env={"env_vars": env}, **options,
     )

@@ -3,8 +3,8 @@ its weights in row shards (the learner's start-up and weight push).
 
 FSDP2 shards every parameter along dim 0 the way ``torch.chunk(world)`` does: rank r holds rows
 ``[r * ceil(n / world), ...)``, the last ranks fewer (or none). :func:`shard_rows` is that rule; the
-learner's gather pads every rank's rows to ``ceil(n / world)`` so that one ``all_gather`` per bucket moves
-them, and :func:`unpad` cuts the result back to the parameter.
+weight push's gather (weight_sync.WeightSender) pads every rank's rows to ``ceil(n / world)`` so that one
+``all_gather`` per bucket moves them, and :func:`unpad` cuts the result back to the parameter.
 """
 
 from __future__ import annotations

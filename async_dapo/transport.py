@@ -65,7 +65,7 @@ Limits on hostile or broken input (the receiver never raises on bad input):
     its pipe; one in its decoder (zmq allocates a message's declared size when it reads its header,
     and keeps a complete message it could not queue); two copies of the properties of its handshake
     READY command, a frame of up to H that zmq keeps for the connection's life. Plus the one message
-    ``recv`` is examining. Measured (peers flooding frames of ~H while we do not read): the peak RSS
+    ``arecv`` is examining. Measured (peers flooding frames of ~H while we do not read): the peak RSS
     grows by max_peers x (rcvhwm + 1) frames + ~0.5 MiB, and a hand-made READY carrying a 40 MiB
     property costs 120 MiB at its peak and keeps 80 MiB. The kernel's TCP buffers (several MiB per
     connection on loopback) hold more, outside the process.
@@ -81,8 +81,8 @@ Limits on hostile or broken input (the receiver never raises on bad input):
     so a header claiming a 4-billion-element array fails at once instead of allocating.
   - The receiver binds 127.0.0.1 unless another host is configured explicitly.
 
-Sockets are not thread-safe: use one sender per thread/actor, and on a receiver use either
-``recv`` or ``arecv`` at a time (never both concurrently).
+Sockets are not thread-safe: use one sender per thread/actor, and one ``arecv`` at a time on a
+receiver.
 """
 
 from __future__ import annotations
@@ -396,8 +396,8 @@ class _PeerGate:
 class GroupReceiver:
     """PULL side: the replay queue binds one and receives valid groups from every sender.
 
-    ``recv``/``arecv`` return only valid groups; everything else is dropped and counted in
-    ``counters`` (the last reason is in ``last_error``), and neither ever raises on bad input.
+    ``arecv`` returns only valid groups; everything else is dropped and counted in ``counters``
+    (the last reason is in ``last_error``), and it never raises on bad input.
     At most ``max_peers`` connections are admitted; zmq buffers at most ``worst_case_bytes`` for
     all of them together (<= ``receive_budget_bytes``, see the module docstring). Each receiver owns
     its zmq context: the ZAP handler that enforces ``max_peers`` is one per context.
@@ -455,7 +455,7 @@ class GroupReceiver:
                 f"receive_budget_bytes ({self.receive_budget_bytes}) must be >= (4 x max_peers {max_peers} + 1) x "
                 f"hard cap {cap} = {receive_min_budget(max_peers, cap)}"
             )
-        # Per peer: its pipe, its decoder, its handshake properties; + the message recv is examining.
+        # Per peer: its pipe, its decoder, its handshake properties; + the message arecv is examining.
         self.worst_case_bytes = (max_peers * (self.rcvhwm + RECEIVE_PEER_EXTRA) + 1) * cap
 
     def _configure(self) -> None:
@@ -495,7 +495,7 @@ class GroupReceiver:
         """Copy of the counts: valid groups ``received`` and frames rejected, by reason."""
         return dict(self._counts)
 
-    # -- shared by recv and arecv -------------------------------------------------------------
+    # -- receiving --------------------------------------------------------------------------
     def _accept(self, frames: list[Any]) -> Group | None:
         """Decode one zmq message; count it; return the group or None if it was rejected."""
         if len(frames) != 1:
@@ -546,29 +546,13 @@ class GroupReceiver:
         log.log(level, "dropped message (%s): %s", counter, reason)
         return None
 
-    # -- blocking ------------------------------------------------------------------------------
-    def recv(self, timeout_ms: int | None = None) -> Group | None:
-        """Next valid group, or None once ``timeout_ms`` passed (None = wait forever).
+    # -- asyncio -------------------------------------------------------------------------------
+    async def arecv(self, timeout_ms: int | None = None) -> Group | None:
+        """Next valid group, or None once ``timeout_ms`` passed (None = wait forever); never blocks the loop.
 
         The deadline is strict: after it, at most one more pending frame is examined, so None
         means "nothing valid yet", not "the socket is empty" -- just call again.
         """
-        deadline = _deadline(timeout_ms)
-        while True:
-            remaining = _remaining_ms(deadline)
-            if not self._sock.poll(remaining, zmq.POLLIN):
-                return None
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                continue
-            group = self._accept(frames)
-            if group is not None or remaining == 0:
-                return group
-
-    # -- asyncio -------------------------------------------------------------------------------
-    async def arecv(self, timeout_ms: int | None = None) -> Group | None:
-        """``recv`` for an asyncio event loop (e.g. an async Ray actor); never blocks the loop."""
         if self._async_sock is None:
             # A shadow of the same zmq socket: same bind, same counters; pyzmq re-registers it
             # if it is later awaited from a different event loop.

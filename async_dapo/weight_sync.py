@@ -1,22 +1,62 @@
-"""The learner end of the weight-update process group (learner rank 0 + every engine rank).
+"""The weight path, learner → engines: the weight-update group and everything that travels over it.
+
+One module, three small interfaces:
+
+* **Learner** (every FSDP rank): :class:`WeightSender`. ``push`` copies this rank's shards, cast to the
+  engines' dtype, into a snapshot (the only part the training loop waits for) and returns; a background
+  thread gathers the snapshot bucket by bucket over a process group of its own (its own communicator; on
+  CUDA its own stream), so the next training step runs while the push is under way. Rank 0 broadcasts each
+  gathered bucket to the engines, at most two buckets in flight (one broadcasting, one gathered), waits
+  until every engine reports the version loaded, then calls the push's ``on_loaded(version)`` (the run
+  passes :class:`ActorCallback` to the replay queue's ``set_version``). The snapshot is a copy: the next
+  optimizer step cannot change what is being sent.
+* **Engine** (each rollout actor, on the engine's event loop): :func:`join_group`, :func:`leave_group` and
+  :func:`load`, the SGLang tokenizer-manager calls that receive a push.
+* **Placement**: :class:`WeightGroup`, the group's lifecycle. Learner rank 0 + every engine rank, named
+  by generation; rebuilt under a new name and port when an engine is replaced.
 
 SGLang's ``init_weights_update_group`` builds its side of the group with a TCP rendezvous, a
 ``PrefixStore(group_name, store)`` and torch's process-group helper; :func:`open_update_group` builds the
-matching rank-0 side the same way without importing sglang. Parameters then go out in buckets, one flat
+matching rank-0 side the same way without importing sglang. Parameters go out in buckets, one flat
 broadcast per bucket, in exactly the order of the bucket metadata (names, dtypes, shapes) the engines were
 given first over the control plane (Ray).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import math
 import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+from async_dapo.shards import snapshot, unpad
+from async_dapo.supervise import RunFailed
+
+log = logging.getLogger("async_dapo")
+
+WEIGHT_GROUP = "async_dapo_weights"  # + a generation suffix: the group is rebuilt when an engine is replaced
+# Wrappers that FSDP2 / activation checkpointing / torch.compile may insert into parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+# ---------------------------------------------------------------------------------------- what is sent
+def sglang_name(name: str) -> str:
+    """The name SGLang's loader expects for a learner parameter. SGLang loads HF checkpoint names (its
+    Qwen2/Qwen3/Llama ``load_weights`` stacks q/k/v and gate/up itself), so the mapping is: strip the
+    wrapper prefixes that training-side wrappers insert, keep the HF name."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 @dataclass(frozen=True)
@@ -57,6 +97,7 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
+# ---------------------------------------------------------------------------------------- the group
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the rendezvous binds it right after)."""
     with socket.socket() as s:
@@ -93,3 +134,303 @@ def broadcast_bucket(pg, tensors: list[torch.Tensor]) -> int:
 
 def close_update_group(pg) -> None:
     dist.destroy_process_group(pg)
+
+
+def group_name(generation: int) -> str:
+    return f"{WEIGHT_GROUP}_{generation}"
+
+
+class WeightGroup:
+    """Placement's side: the run's weight-update group (learner rank 0 + ``tp_size`` ranks per engine).
+    ``get(refs, what, timeout_s)`` is a bounded ``ray.get`` naming what it waited for; ``endpoint()`` a fresh
+    (host, port) for the rendezvous on learner rank 0's node."""
+
+    def __init__(self, cfg, backend: str, get: Callable, endpoint: Callable[[], tuple[str, int]]) -> None:
+        self.cfg, self.backend, self.get, self.endpoint = cfg, backend, get, endpoint
+        self.generation = 0
+
+    @property
+    def name(self) -> str:
+        return group_name(self.generation)
+
+    def open(self, learner, engines: list) -> None:
+        """Form the group: learner rank 0 and every engine join concurrently at a fresh endpoint, bounded by
+        weight_sync.timeout_s; the learner is told the engines' weight dtype (each resolves it where it runs)."""
+        host, port = self.endpoint()
+        tp, timeout = self.cfg.rollout.engine.tp_size, self.cfg.weight_sync.timeout_s
+        world = 1 + tp * len(engines)
+        dtypes = set(self.get([e.weight_dtype.remote() for e in engines], "engines' weight dtype"))
+        if len(dtypes) != 1:
+            raise RunFailed(f"engines hold their weights in different dtypes {sorted(dtypes)}: "
+                            "set rollout.engine.dtype")
+        joins = [e.join_weight_group.remote(host, port, world, 1 + i * tp, self.name, self.backend)
+                 for i, e in enumerate(engines)]
+        self.get(learner.open_weight_group.remote(host, port, world, self.name, dtypes.pop()), f"open {self.name}",
+                 timeout)
+        self.get(joins, f"engines joining {self.name}", timeout)
+
+    def rebuild(self, learner, engines: list) -> None:
+        """A new group (new name, new port) with every current engine: the learner closes the old one first
+        (on gloo that also fails any engine still blocked in it), then the survivors leave it."""
+        import ray
+
+        old, ws = self.name, self.cfg.weight_sync
+        self.get(learner.close_weight_group.remote(), "close weight group", 2 * ws.timeout_s)
+        for e in engines:
+            try:
+                ray.get(e.leave_weight_group.remote(old), timeout=ws.timeout_s)
+            except Exception as exc:  # the replacement never joined the old group
+                log.debug("leave %s: %r", old, exc)
+        self.generation += 1
+        self.open(learner, engines)
+
+
+@dataclass(frozen=True)
+class ActorCallback:
+    """"The engines loaded version v", told to a Ray actor as ``actor.<method>.remote(v)`` and waited for at
+    most ``timeout_s``. Picklable: it travels to learner rank 0 with the push call."""
+
+    actor: Any
+    method: str
+    timeout_s: float
+
+    def __call__(self, version: int) -> None:
+        import ray
+
+        ray.get(getattr(self.actor, self.method).remote(version), timeout=self.timeout_s)
+
+
+# ---------------------------------------------------------------------------------------- learner end
+class WeightSender:
+    """Learner side of the push, one per rank (see the module docstring). Construct it at the same point
+    of every rank's start-up: it creates the push's own process group, a collective. All waits are bounded:
+    gathers by learner.collective_timeout_s, broadcasts and the engines' answer by weight_sync.timeout_s."""
+
+    def __init__(self, cfg, rank: int, world: int, device: str, timeout: datetime.timedelta) -> None:
+        from async_dapo.device import learner_backend
+
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self._gather_pg = dist.new_group(backend=learner_backend(device), timeout=timeout)
+        self._stream = torch.cuda.Stream() if device == "cuda" else None
+        self._pg = None  # the weight-update group (rank 0 only)
+        self._group_name = WEIGHT_GROUP
+        self._dtype: torch.dtype | None = None  # the engines' weight dtype, told by open()
+        # The push in flight: its thread and the dict only that thread writes; the last finished push.
+        self._thread: threading.Thread | None = None
+        self._state: dict[str, Any] = {}
+        self._result: dict[str, Any] = {}
+
+    def open(self, master_addr: str, master_port: int, world_size: int, name: str, dtype: str | None,
+             backend: str) -> None:
+        """Rank 0: become rank 0 of group ``name`` (engines join concurrently) and push in ``dtype`` (None:
+        rollout.engine.dtype as this rank's device resolves it). An earlier group is closed first."""
+        self.close()
+        self._pg = open_update_group(master_addr, master_port, world_size, name, backend,
+                                     self.cfg.weight_sync.timeout_s)
+        self._group_name = name
+        self._dtype = getattr(torch, dtype) if dtype else None
+
+    def close(self) -> None:
+        """Abandon the current group (an engine of it died): join the sender, whatever its outcome, then
+        destroy the group — never under a sender that is still using it."""
+        if self._join(self.bound_s()) is not None:
+            raise RuntimeError(f"weight push of version {self._state['version']}: sender still busy; "
+                               "cannot rebuild the weight group")
+        if self._pg is not None:
+            try:
+                close_update_group(self._pg)
+            except Exception:  # a group whose peer died may refuse a clean destroy; it is dropped anyway
+                pass
+            self._pg = None
+
+    def bound_s(self) -> float:
+        """The sender's waits: its gathers (collective_timeout_s each, but they fail together), the
+        broadcasts and the engines' answer (weight_sync.timeout_s each)."""
+        return 2 * self.cfg.weight_sync.timeout_s
+
+    def push(self, params: Iterable[tuple[str, torch.Tensor]], version: int, engines: list,
+             on_loaded: Callable[[int], None] | None) -> dict[str, float]:
+        """Snapshot ``params`` (the model's named parameters) and send them in the background to
+        ``engines`` (rank 0; other ranks only gather); after the engines report ``version`` loaded, rank 0
+        calls ``on_loaded(version)``. A failed previous push is not raised here: :meth:`wait` reports it,
+        and the caller has already decided to push again (a replacement pushes after rebuilding the group)."""
+        t0 = time.perf_counter()
+        if (busy := self._join(self.bound_s())) is not None:  # never overlap two pushes
+            raise RuntimeError(busy)  # only after the sender's own bounds failed: the groups are unusable
+        stall = time.perf_counter() - t0
+        buckets, by_name = self._plan(params)
+        shards = self._snapshot(buckets, by_name)
+        ready = None
+        if self._stream is not None:  # the snapshot was written on the default stream
+            ready = torch.cuda.Event()
+            ready.record()
+        if self.rank != 0:  # only rank 0 talks to the engines and the queue
+            engines, on_loaded = [], None
+        refs = [e.update_weights.remote(buckets, self._group_name, version) for e in engines]
+        self._state = {"version": version}
+        self._thread = threading.Thread(target=self._send, daemon=True,
+                                        args=(buckets, shards, ready, refs, on_loaded, version, self._state))
+        self._thread.start()
+        return {"push_stall_s": stall, "push_blocking_s": time.perf_counter() - t0,
+                "push_bytes": float(sum(b.nbytes for b in buckets)), "push_buckets": float(len(buckets))}
+
+    def wait(self) -> float:
+        """Block until the previous push finished, at most :meth:`bound_s`; returns the seconds waited.
+        Raises if that push failed (once: a retried push starts clean) or is still running."""
+        t0 = time.perf_counter()
+        if (busy := self._join(self.bound_s())) is not None:
+            raise TimeoutError(busy)
+        if error := self._result.get("error"):
+            self._result.update(error="", failed=error)
+            raise RuntimeError(f"weight push of version {self._result['version']} failed on rank "
+                               f"{self.rank}: {error}")
+        return time.perf_counter() - t0
+
+    def last(self) -> dict[str, Any]:
+        """The last finished push: version, push_s, bytes, engine_s, error."""
+        return dict(self._result)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=self.bound_s())
+
+    def _plan(self, params) -> tuple[list[Bucket], dict[str, torch.Tensor]]:
+        """The buckets (engine names, dtype, full shapes) and each parameter by engine name."""
+        from async_dapo.device import engine_dtype
+
+        dtype = self._dtype or getattr(torch, engine_dtype(self.device, self.cfg.rollout.engine.dtype))
+        by_name = {sglang_name(n): p for n, p in params}
+        meta = [(n, dtype, tuple(p.shape)) for n, p in by_name.items()]
+        return plan_buckets(meta, self.cfg.weight_sync.bucket_mb << 20), by_name
+
+    def _snapshot(self, buckets: list[Bucket], by_name: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's rows of every parameter, cast to the bucket's (engine) dtype before any gather: the
+        gather then moves half the bytes of fp32 master weights, and the optimizer may move on."""
+        shards = {}
+        for b in buckets:
+            for name in b.names:
+                p = by_name[name]
+                local = p.to_local() if hasattr(p, "to_local") else p
+                shards[name] = snapshot(local, p.shape[0], self.world, getattr(torch, b.dtypes[0]))
+        return shards
+
+    def _send(self, buckets: list[Bucket], shards: dict[str, torch.Tensor], ready, refs: list, on_loaded,
+              version: int, state: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            stream = self._stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if ready is not None:
+                    stream.wait_event(ready)
+                sent = self._gather_and_broadcast(buckets, shards)
+                if stream is not None:
+                    stream.synchronize()  # this thread only: the training stream never waits for it
+            engine_s = self._engines_loaded(refs, on_loaded, version)
+            state.update(push_s=time.perf_counter() - t0, bytes=sent, engine_s=engine_s, error="")
+        except Exception as exc:  # surfaced by wait(): a failed push fails the run loudly
+            state.update(error=repr(exc))
+
+    def _gather_and_broadcast(self, buckets: list[Bucket], shards: dict[str, torch.Tensor]) -> int:
+        """Gather each bucket's shards (one all_gather per bucket over the push's own group); rank 0
+        broadcasts it to the engines asynchronously, waiting for the previous bucket's broadcast first:
+        at most two buckets in flight. Returns the bytes broadcast."""
+        sent, pending = 0, None
+        for b in buckets:
+            tensors = self._gather_bucket([shards[n] for n in b.names], b.shapes)
+            if self.rank != 0 or self._pg is None:
+                continue
+            flat = flatten(tensors).to(self.device)
+            if pending is not None:  # Work.wait is bounded by the weight group's timeout (weight_sync.timeout_s)
+                pending[0].wait()
+            pending = (dist.broadcast(flat, src=0, group=self._pg, async_op=True), flat)
+            sent += flat.numel()
+        if pending is not None:
+            pending[0].wait()
+        return sent
+
+    def _gather_bucket(self, parts: list[torch.Tensor], shapes) -> list[torch.Tensor]:
+        if self.world == 1:
+            return [p[: s[0]] for p, s in zip(parts, shapes)]
+        local = torch.cat([p.reshape(-1) for p in parts])
+        gathered = local.new_empty(self.world * local.numel())  # rank after rank
+        dist.all_gather_into_tensor(gathered, local, group=self._gather_pg)
+        if self.rank != 0:  # only rank 0 sends: the others take part in the gather and need nothing back
+            return []
+        return unpad(gathered.view(self.world, -1), self.world, [tuple(s) for s in shapes])
+
+    def _engines_loaded(self, refs: list, on_loaded, version: int) -> float:
+        """Rank 0: wait until the engines report the new weights loaded, then tell ``on_loaded``."""
+        engine_s = []
+        if refs:
+            import ray
+
+            engine_s = ray.get(refs, timeout=self.cfg.weight_sync.timeout_s)
+        if on_loaded is not None:
+            on_loaded(version)  # the engines run `version` now
+        return max(engine_s) if engine_s else 0.0
+
+    def _join(self, timeout_s: float) -> str | None:
+        """Join the push in flight (if any) and record its result; returns a message if it is still busy."""
+        if self._thread is None:
+            return None
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            return f"weight push of version {self._state['version']}: sender still busy after {timeout_s:.0f} s"
+        self._thread, self._result = None, dict(self._state)
+        return None
+
+
+# ---------------------------------------------------------------------------------------- engine end
+class WeightUpdateError(RuntimeError):
+    """SGLang refused a weight update (the message says why)."""
+
+
+async def join_group(tm, master_addr: str, master_port: int, world_size: int, rank_offset: int, name: str,
+                     backend: str) -> None:
+    """The engine's ranks join group ``name`` (SGLang's ``init_weights_update_group`` on tokenizer manager
+    ``tm``); WeightUpdateError if refused."""
+    from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+    ok, msg = await tm.init_weights_update_group(InitWeightsUpdateGroupReqInput(
+        master_address=master_addr, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+        group_name=name, backend=backend), None)
+    if not ok:
+        raise WeightUpdateError(f"init_weights_update_group refused: {msg}")
+
+
+async def leave_group(tm, name: str) -> None:
+    """Destroy the engine's side of group ``name`` (before joining its successor); a refusal is logged."""
+    from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
+
+    ok, msg = await tm.destroy_weights_update_group(DestroyWeightsUpdateGroupReqInput(group_name=name))
+    if not ok:
+        log.warning("destroy_weights_update_group(%s): %s", name, msg)
+
+
+async def load(tm, buckets: list[Bucket], name: str, version: int) -> None:
+    """Receive one push: each bucket's flat broadcast over group ``name``, in order, labelled ``version``.
+    Wrapped in ``begin_weight_update``/``end_weight_update`` (SGLang 0.5.23 refuses otherwise); the caller
+    pauses or drains generation around it. WeightUpdateError if SGLang refused any part."""
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput, EndWeightUpdateReqInput, UpdateWeightsFromDistributedReqInput,
+    )
+
+    ok, msg = await tm.begin_weight_update(BeginWeightUpdateReqInput(), None)
+    if not ok:
+        raise WeightUpdateError(f"begin_weight_update refused: {msg}")
+    try:
+        for bucket in buckets:  # the learner broadcasts them in this order
+            ok, msg = await tm.update_weights_from_distributed(
+                UpdateWeightsFromDistributedReqInput(
+                    names=list(bucket.names), dtypes=list(bucket.dtypes),
+                    shapes=[list(x) for x in bucket.shapes], group_name=name,
+                    weight_version=str(version), load_format="flattened_bucket",
+                    flush_cache=bucket is buckets[-1]),  # once per update: the cache is stale only at the end
+                None,
+            )
+            if not ok:
+                break
+    finally:
+        end_ok, end_msg = await tm.end_weight_update(EndWeightUpdateReqInput(), None)
+    if not ok or not end_ok:
+        raise WeightUpdateError(f"weight update to version {version} refused: {msg if not ok else end_msg}")

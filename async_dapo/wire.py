@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -483,3 +484,14 @@ def decode_group(data: bytes | bytearray | memoryview, max_bytes: int | None = N
     kwargs["samples"] = samples
     kwargs["prompt_ids"] = _decode_array("prompt_ids", obj["prompt_ids"], _I32)
     return Group(**kwargs)
+
+
+def write_groups(groups: list[Group], path: Path) -> None:
+    """A batch of groups as one file (a msgpack array of encoded groups): logging.record_batches."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgpack.packb([encode_group(g) for g in groups]))
+
+
+def read_groups(path: Path) -> list[Group]:
+    """The groups :func:`write_groups` wrote, each decoded and checked like a message off the wire."""
+    return [decode_group(b) for b in msgpack.unpackb(path.read_bytes())]

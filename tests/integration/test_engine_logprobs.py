@@ -18,6 +18,7 @@ import torch
 
 from async_dapo.config import dump_config
 from async_dapo.data import encode_prompt, synthetic_rows
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
 TOL = 2e-4
@@ -25,10 +26,10 @@ TOL = 2e-4
 SAMPLER = """
 import json, os, sys
 from async_dapo.config import load_config
-from async_dapo.rollout import RolloutWorker
+from tests.probes import ProbedRolloutWorker
 if __name__ == "__main__":
     cfg, prompts, temperature = load_config(sys.argv[1]), json.loads(sys.argv[2]), float(sys.argv[3])
-    worker = RolloutWorker(cfg, 0)
+    worker = ProbedRolloutWorker(cfg, 0)
     try:
         outs = worker.generate([p for p in prompts for _ in range(4)],
                                {"temperature": temperature, "max_new_tokens": 12, "top_p": 1.0})
@@ -61,7 +62,7 @@ def test_sglang_cpu_logprobs_match_transformers(tiny_model, cpu_config, tmp_path
     dump_config(cpu_config.model_copy(update={"model": cpu_config.model.model_copy(update={"path": tiny_model})}),
                 tmp_path / "cfg.yaml")
     proc = subprocess.run([sys.executable, "-c", SAMPLER, str(tmp_path / "cfg.yaml"), json.dumps(prompts),
-                           str(temperature)], capture_output=True, text=True, timeout=600)
+                           str(temperature)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     outs = result["outs"]

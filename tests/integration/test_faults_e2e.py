@@ -99,7 +99,7 @@ def test_killed_and_hung_rollout_actors_are_replaced_and_the_run_finishes(tiny_m
     last = rows[-1]
     assert last["rollout/engine_restarts"] == 2.0
     assert "process died" in text and ("hung" in text or "stuck" in text), text[-3000:]
-    assert last["queue/abandoned/actor_failed"] >= 1  # in-flight prompts returned to the cursor
+    assert last["replay/abandoned/actor_failed"] >= 1  # in-flight prompts returned to the cursor
     print(f"\nSIGKILL -> replacement running: {t_replaced - t_kill:.1f} s; SIGSTOP -> replacement running: "
           f"{t_second - t_stop:.1f} s")
     print("\n".join(line[:160] for line in text.splitlines() if "rollout actor 0" in line))
@@ -119,9 +119,9 @@ def test_failing_groups_at_eta_0_are_abandoned_counted_and_the_run_finishes(tiny
     rows = _train_rows(run_dir)
     assert [m["train/version"] for m in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
     last = rows[-1]
-    print(f"\nabandoned {last['queue/abandoned']:.0f} groups (score_error), received {last['queue/received']:.0f}")
-    assert last["queue/abandoned/score_error"] >= 5  # ~34% of groups fail; each counted by reason
-    assert last["queue/abandoned"] == last["queue/abandoned/score_error"]
+    print(f"\nabandoned {last['replay/abandoned']:.0f} groups (score_error), received {last['replay/received']:.0f}")
+    assert last["replay/abandoned/score_error"] >= 5  # ~34% of groups fail; each counted by reason
+    assert last["replay/abandoned"] == last["replay/abandoned/score_error"]
     assert all(m["staleness/max"] == 0 for m in rows)  # still synchronous
     _assert_prompts_trained_once(run_dir)
 

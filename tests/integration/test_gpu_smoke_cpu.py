@@ -1,4 +1,4 @@
-"""tools/gpu_smoke.py, the learner's smoke test for a single-GPU machine whose image has no ray, zmq or sglang,
+"""tools/gpu/gpu_smoke.py, the learner's smoke test for a single-GPU machine whose image has no ray, zmq or sglang,
 runs here in its CPU mode (same code path: tiny Qwen2, gloo, bf16 compute through FSDP2's
 MixedPrecisionPolicy) with those three modules blocked, and its JSON says what the GPU run will be judged on.
 The learner module itself must import without them."""
@@ -43,7 +43,7 @@ def test_learner_imports_without_ray_zmq_sglang():
         from async_dapo.weight_sync import open_update_group, plan_buckets
         from async_dapo.config import load_config
         from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-        runpy.run_path("tools/gpu_smoke.py", run_name="not_main")
+        runpy.run_path("tools/gpu/gpu_smoke.py", run_name="not_main")
         print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
@@ -64,7 +64,7 @@ def smoke(request, tmp_path_factory):
     device = request.param
     out = tmp_path_factory.mktemp(f"gpu_smoke_{device}") / "x.json"
     proc = subprocess.run(
-        [sys.executable, "tools/gpu_smoke.py", "--device", device, "--tiny", "--forbid-imports", "--out", str(out)],
+        [sys.executable, "tools/gpu/gpu_smoke.py", "--device", device, "--tiny", "--forbid-imports", "--out", str(out)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())

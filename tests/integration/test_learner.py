@@ -11,7 +11,7 @@ from async_dapo.config import load_config
 from async_dapo.learner import LearnerWorker
 from async_dapo.weight_sync import free_port
 from async_dapo.wire import Group, Sample
-from tests.conftest import CPU_CONFIG
+from tests.conftest import CPU_CONFIG, REPO
 
 pytestmark = pytest.mark.integration
 
@@ -77,11 +77,7 @@ def start_learners(ray, cfg, world: int, worker_class=None):
     from async_dapo.learner import learner_actor_class
 
     port = free_port()
-    if worker_class is None:
-        cls = learner_actor_class(cfg)
-    else:  # the same options as learner_actor_class, another class
-        env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-        cls = ray.remote(worker_class).options(num_cpus=cfg.placement.learner_cpus, runtime_env={"env_vars": env})
+    cls = learner_actor_class(cfg, worker_class or LearnerWorker)
     ranks = [cls.remote(cfg, r, world, "127.0.0.1", port) for r in range(world)]
     return ranks
 
@@ -188,11 +184,12 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
     from async_dapo.data import encode_prompt
     from async_dapo.config import dump_config
     from async_dapo.data import train_rows
-    from async_dapo.learner import WEIGHT_GROUP
+    from async_dapo.weight_sync import WEIGHT_GROUP
     from async_dapo.rollout import rollout_actor_class
+    from tests.probes import ProbedRolloutWorker
 
     ray = ray_cluster
-    engine = rollout_actor_class(cfg).remote(cfg, 0)
+    engine = rollout_actor_class(cfg, ProbedRolloutWorker).remote(cfg, 0)
     ray.get(engine.get_stats.remote(), timeout=300)
     (learner,) = start_learners(ray, cfg, 1)
     stats = ray.get(learner.train_step.remote(make_groups(4, 4, seed=4)))
@@ -231,17 +228,17 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
     # started in the pytest process leaves SGLang's child watchdog there, which ends pytest when any
     # later test's subprocess exits.
     script = ("import json, sys; from async_dapo.config import load_config; "
-              "from async_dapo.rollout import RolloutWorker\n"
+              "from tests.probes import ProbedRolloutWorker\n"
               "if __name__ == '__main__':\n"
               "    cfg = load_config(sys.argv[1]); prompts = json.loads(sys.argv[2])\n"
-              "    fresh = RolloutWorker(cfg, 0)\n"
+              "    fresh = ProbedRolloutWorker(cfg, 0)\n"
               "    try: outs = fresh.generate(prompts * 2, {'temperature': 1.0, 'max_new_tokens': 4})\n"
               "    finally: fresh.shutdown()\n"
               "    print(json.dumps([[len(o['output_ids']) for o in outs[i::len(prompts)]] for i in range(len(prompts))]))\n")
     dump_config(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": export, "bootstrap": None})}),
                 tmp_path / "cfg.yaml")
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cfg.yaml"), json.dumps(prompts[:2])],
-                          capture_output=True, text=True, timeout=600)
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lengths = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(lengths) == 2 and all(n >= 1 for g in lengths for n in g)
@@ -250,7 +247,7 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
 
 def test_the_batch_is_serialized_once_whatever_the_number_of_ranks(ray_cluster, cfg, monkeypatch):
     """Placed.put + on_learners: the driver pickles each group once (into Ray's object store), not once per
-    learner rank, and both ranks train on it (issue 13 item 3). Also: perf/pad_ratio's inputs."""
+    learner rank, and both ranks train on it. Also: perf/pad_ratio's inputs."""
     from async_dapo.placement import Placed
 
     pickled = []
@@ -310,7 +307,7 @@ def test_two_rank_push_sends_the_snapshot_while_the_next_step_trains(ray_cluster
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from async_dapo.learner import sglang_name
+    from async_dapo.weight_sync import sglang_name
     from async_dapo.weight_sync import plan_buckets
 
     small = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(update={"bucket_mb": 1})})

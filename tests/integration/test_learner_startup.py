@@ -1,7 +1,7 @@
-"""Sharded start-up (issue 13 item 1): two gloo learner ranks, each a plain process, build a ~29M-parameter
+"""Sharded start-up: two gloo learner ranks, each a plain process, build a ~29M-parameter
 Qwen2 (118 MB in fp32) on the meta device and read only their own rows from safetensors. Each rank's peak
-RSS growth during construction is measured against the full model's fp32 size and against the start-up
-before issue 13 (from_pretrained of the whole model on every rank, then fully_shard), run in the same test;
+RSS growth during construction is measured against the full model's fp32 size and against the older
+start-up (from_pretrained of the whole model on every rank, then fully_shard), run in the same test;
 the parameters equal the checkpoint's exactly.
 """
 
@@ -43,7 +43,8 @@ def reset_peak_rss() -> int:
 
 def _rank(rank: int, world: int, port: int, model_path: str, out) -> None:
     from async_dapo.config import load_config
-    from async_dapo.learner import LearnerWorker, sglang_name
+    from async_dapo.learner import LearnerWorker
+    from async_dapo.weight_sync import sglang_name
 
     torch.set_num_threads(1)
     cfg = load_config(None, ["model.bootstrap=null", f"model.path={model_path}", "logging.tensorboard=false"])
@@ -67,7 +68,7 @@ def _rank(rank: int, world: int, port: int, model_path: str, out) -> None:
 
 
 def _old_rank(rank: int, world: int, port: int, model_path: str, out) -> None:
-    """The start-up before issue 13, for reference: every rank loads the whole model, then shards it."""
+    """The start-up before sharding, for reference: every rank loads the whole model, then shards it."""
     import torch.distributed as dist
     from safetensors import safe_open  # noqa: F401
     from torch.distributed import fsdp

@@ -44,12 +44,13 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def system(cfg, ray_cluster):
-    from async_dapo.replay_service import replay_actor_class
+    from async_dapo.replay_queue import replay_actor_class
     from async_dapo.rollout import rollout_actor_class
+    from tests.probes import ProbedRolloutWorker
 
     ray = ray_cluster
     queue = replay_actor_class(cfg).remote(cfg)
-    actor = rollout_actor_class(cfg).remote(cfg, 0)
+    actor = rollout_actor_class(cfg, ProbedRolloutWorker).remote(cfg, 0)
     ray.get(actor.get_stats.remote(), timeout=300)  # engine is up: a failed start surfaces here
     port = free_port()
     joined = actor.join_weight_group.remote("127.0.0.1", port, 2, 1, GROUP, "gloo")

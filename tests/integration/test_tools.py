@@ -28,7 +28,7 @@ def _csv(path: Path) -> list[dict]:
 
 
 def test_bench_throughput_quick(tiny_model, tmp_path):
-    out = _run(["tools/bench_throughput.py", "--quick", "--model", str(tiny_model), "--out", str(tmp_path)], 900)
+    out = _run(["tools/bench/throughput.py", "--quick", "--model", str(tiny_model), "--out", str(tmp_path)], 900)
     rows = _csv(tmp_path / "default" / "throughput.csv")
     assert [r["mode"] for r in rows] == ["sync", "eta2"] and [r["eta"] for r in rows] == ["0", "2"]
     positive = ["steps_per_s", "samples_per_s", "gen_tokens_per_s", "trained_tokens_per_s", "push_s",
@@ -49,7 +49,7 @@ def test_bench_throughput_quick(tiny_model, tmp_path):
 
 
 def test_ablate_staleness_quick(tmp_path):
-    out = _run(["tools/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 1200)
+    out = _run(["tools/study/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 1200)
     study = tmp_path / "staleness"
     runs = _csv(study / "runs.csv")
     assert [(r["cell"], r["seed"]) for r in runs] == [("eta0/none", "0"), ("eta1/decoupled", "0")]
@@ -67,5 +67,5 @@ def test_ablate_staleness_quick(tmp_path):
     assert (study / "curves.png").read_bytes()[:8] == PNG
     assert "| eta0/none | 1 |" in (study / "table.md").read_text() and "eta1/decoupled" in out
     # resumable: a second invocation finds both runs finished and runs nothing
-    again = _run(["tools/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 600)
+    again = _run(["tools/study/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 600)
     assert again.count("finished earlier") == 2

@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REQUIRED_TAGS = """critic/score/mean critic/rewards/mean critic/advantages/mean reward/acc_mean response_length/mean
 response_length/max response_length/clip_ratio prompt_length/mean actor/entropy actor/token_prob_mean actor/pg_clipfrac
 actor/pg_clipfrac_upper actor/pg_clipfrac_low_side actor/pg_clipfrac_lower actor/ppo_kl actor/grad_norm actor/grad_norm_max actor/pg_loss
-actor/lr actor/is_weight_mean actor/is_weight_max actor/rollout_logprob_abs_diff staleness/mean staleness/max queue/depth
-queue/dropped_all_correct queue/dropped_all_wrong queue/dropped_stale queue/rejected_malformed
+actor/lr actor/is_weight_mean actor/is_weight_max actor/rollout_logprob_abs_diff staleness/mean staleness/max replay/depth
+replay/dropped_all_correct replay/dropped_all_wrong replay/dropped_stale replay/rejected_malformed
 perf/gen_tokens_per_s perf/train_tokens_per_s perf/time_per_step perf/total_num_tokens perf/wait_data_s perf/weight_push_s
 perf/weight_push_stall_s perf/learner_idle_ratio perf/rollout_idle_ratio train/version val/avg_at_k val/pass_at_k
 val/maj_at_k""".split()
@@ -72,7 +72,7 @@ def test_async_run_end_to_end(tiny_model, tmp_path):
     assert all(m["staleness/max"] <= ETA for m in steps)  # every trained group within eta
     assert max(m["staleness/max"] for m in steps) >= 1  # and the run really overlapped
     last = steps[-1]
-    assert last["queue/dropped_all_correct"] + last["queue/dropped_all_wrong"] > 0  # drops are counted
+    assert last["replay/dropped_all_correct"] + last["replay/dropped_all_wrong"] > 0  # drops are counted
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
     missing = set(REQUIRED_TAGS) - set(events.Tags()["scalars"])
@@ -167,7 +167,7 @@ def test_ray_job_submit_to_local_head_succeeds(tiny_model, tmp_path):
     subprocess.run(head, check=True, env=env, timeout=300, capture_output=True)
     try:
         job = subprocess.run(
-            [str(REPO / "tools" / "submit.sh"), "--address", f"http://127.0.0.1:{dash}", "--",
+            [str(REPO / "tools" / "cluster" / "submit.sh"), "--address", f"http://127.0.0.1:{dash}", "--",
              "--config", str(CPU_CONFIG), "--set", f"model.path={tiny_model}", "--set", "model.bootstrap=null",
              "--set", f"logging.run_dir={tmp_path / 'job_run'}", "--set", "learner.total_steps=2",
              "--set", "logging.val_every_steps=0", *SMALL],

@@ -58,11 +58,13 @@ def _reset_peak(rx: Any, _: Any) -> int:
 
 def _drain(rx: Any, arg: tuple[int, float]) -> dict[str, Any]:
     """Receive until ``want`` valid groups arrived or ``seconds`` passed; their ids in arrival order."""
+    from .rx import recv
+
     want, seconds = arg
     ids: list[str] = []
     deadline = time.monotonic() + seconds
     while len(ids) < want and time.monotonic() < deadline:
-        group = rx.recv(timeout_ms=200)
+        group = recv(rx, timeout_ms=200)
         ids += [group.group_id] if group is not None else []
     return {"ids": ids, **_status(rx, None)}
 

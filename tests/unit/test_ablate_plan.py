@@ -1,4 +1,4 @@
-"""tools/ablate.py's grids: every cell is a valid config that says what its name says, the DAPO rows are
+"""tools/study/ablate.py's grids: every cell is a valid config that says what its name says, the DAPO rows are
 cumulative, and cluster submission runs each unfinished run once, at most --max-jobs at a time (the Ray job
 client is replaced by a recorder here; tests/integration/test_tools.py runs the real local path)."""
 
@@ -12,7 +12,7 @@ import pytest
 from async_dapo.config import dump_config, load_config, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "study"))
 import ablate  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"

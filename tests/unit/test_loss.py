@@ -18,7 +18,6 @@ from async_dapo.loss import (
     entropy_and_token_prob,
     group_advantages,
     importance_weights,
-    keep_group,
     masked_mean,
     policy_loss,
     token_logprobs,
@@ -528,31 +527,7 @@ def test_entropy_handles_minus_inf_logits_and_bf16() -> None:
 
 
 # ----------------------------------------------------------------------------- filters
-
-
-@pytest.mark.parametrize(
-    ("accuracies", "kept"),
-    [
-        ([True, False], True),
-        ([1, 0, 0, 0], True),
-        ([1.0, 1.0, 0.0], True),
-        (torch.tensor([True, False, True]), True),
-        ([True, True, True], False),  # all correct: zero advantage, no gradient
-        ([False, False], False),  # all wrong
-        (torch.tensor([0, 0]), False),
-        ([True], False),  # a group of one is never mixed
-        ([], False),
-    ],
-)
-def test_keep_group(accuracies, kept: bool) -> None:
-    assert keep_group(accuracies) is kept
-
-
-@pytest.mark.parametrize("bad", [[1.0, -1.0], [0.5, 0.0], [1.0, 0.75]])
-def test_keep_group_refuses_shaped_rewards(bad: list[float]) -> None:
-    # +1/-1 scores or overlong-shaped rewards are not accuracies.
-    with pytest.raises(ValueError, match="accuracies"):
-        keep_group(bad)
+# (dynamic sampling's group rule is the queue's: tests/unit/test_replay.py, replay.keeps_group)
 
 
 def test_apply_overlong_filter_zeros_truncated_rows() -> None:

@@ -1,4 +1,4 @@
-"""tools/memory_model.py: the per-GPU memory model of the learner and the engines (docs/scaling.md).
+"""tools/cluster/memory_model.py: the per-GPU memory model of the learner and the engines (docs/scaling.md).
 
 Values are worked out by hand in the comments; the parameter count is checked against a real
 transformers Qwen2ForCausalLM (CPU, tiny)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "cluster"))
 import memory_model as mm  # noqa: E402
 
 from async_dapo.config import load_config  # noqa: E402

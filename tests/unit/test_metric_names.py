@@ -1,6 +1,6 @@
 """docs/metrics.md maps every tag the system emits to verl's, and the tags that carry verl's names mean
 what verl means: the table lists exactly the tags that step_metrics (fed by the learner's own _accumulate
-and _reduce, the replay service's own stats), the orchestrator, the validation and the phase clock emit;
+and _reduce, the replay queue's own stats), the orchestrator, the validation and the phase clock emit;
 a row claims "same" exactly for the verl tags we adopted; and actor/pg_clipfrac_lower is the dual-clip
 fraction from the loss through the learner's token-weighted reduction to the tag."""
 
@@ -27,7 +27,7 @@ from tests.unit.val_scores import prompt_scores
 from async_dapo.learner import LearnerWorker
 from async_dapo.loss import policy_loss
 from async_dapo.metrics import _LEARNER_TAGS, RENAMED_TAGS, PhaseClock, progress_line, step_metrics, upgrade_row
-from async_dapo.replay_service import ReplayService
+from async_dapo.replay_queue import ReplayQueue
 from async_dapo.wire import Group, Sample
 
 PKG = Path(async_dapo.__file__).resolve().parent
@@ -75,7 +75,7 @@ def documented() -> dict[str, tuple[str, str]]:
 
 
 def _pattern(tag: str) -> re.Pattern:
-    """`queue/abandoned/<reason>` matches queue/abandoned/<any one path segment>."""
+    """`replay/abandoned/<reason>` matches replay/abandoned/<any one path segment>."""
     return re.compile("[^/]+".join(re.escape(part) for part in re.split(r"<[^>]+>", tag)))
 
 
@@ -134,9 +134,9 @@ def learner_output(monkeypatch) -> dict[str, float]:
 
 
 def queue_stats() -> dict:
-    """The replay service's own stats, plus one abandoned reason (reported per reason once one happens)."""
+    """The replay queue's own stats, plus one abandoned reason (reported per reason once one happens)."""
     async def stats():
-        svc = ReplayService(load_config(None, []))
+        svc = ReplayQueue(load_config(None, []))
         try:
             return await svc.stats()
         finally:
@@ -172,7 +172,8 @@ def val_tags() -> set[str]:
 
 
 def time_tags() -> set[str]:
-    phases = {p for f in PKG.glob("*.py") for p in re.findall(r'\.phase\("(\w+)"\)', f.read_text())}
+    # every phase the package names: clock.phase("x") blocks and @timed("x") methods
+    phases = {p for f in PKG.glob("*.py") for p in re.findall(r'(?:\.phase|@timed)\("(\w+)"\)', f.read_text())}
     clock = PhaseClock()
     for name in phases:
         with clock.phase(name):
@@ -197,7 +198,7 @@ def test_the_table_lists_exactly_the_emitted_tags(emitted):
     assert not stale, f"in docs/metrics.md but never emitted: {stale}"
     # The producers' pieces really are in the set (the fixture would not hide a missing producer).
     assert {"rollout/engine_restarts", "val/avg_at_k/L1", "time/training_s", "time/total_s",
-            "queue/abandoned/engine_error", "val/seconds"} <= emitted
+            "replay/abandoned/engine_error", "val/seconds"} <= emitted
     assert set(_LEARNER_TAGS.values()) <= emitted  # every learner key is produced by the learner
 
 
@@ -247,7 +248,11 @@ def test_older_runs_rows_read_under_the_new_names():
     old = {"step": 5, "perf/step_s": 2.0, "reward/mean": 0.1, "actor/pg_clipfrac_lower": 0.04, "actor/grad_norm": 3.0,
            "queue/depth": 1.0}
     assert upgrade_row(old) == {"step": 5, "perf/time_per_step": 2.0, "critic/score/mean": 0.1,
-                                "actor/pg_clipfrac_low_side": 0.04, "actor/grad_norm_max": 3.0, "queue/depth": 1.0}
+                                "actor/pg_clipfrac_low_side": 0.04, "actor/grad_norm_max": 3.0, "replay/depth": 1.0}
+    # A row written after the verl rename but before the replay queue's counters moved to replay/*:
+    between = {"step": 6, "perf/time_per_step": 2.0, "queue/abandoned/score_timeout": 2.0, "queue/received": 9.0}
+    assert upgrade_row(between) == {"step": 6, "perf/time_per_step": 2.0, "replay/abandoned/score_timeout": 2.0,
+                                    "replay/received": 9.0}
     new = {"step": 5, "perf/time_per_step": 2.0, "actor/pg_clipfrac_lower": 0.01}  # today's: verl's dual clip
     assert upgrade_row(new) == new
     assert upgrade_row({"step": 0, "val/avg_at_k": 0.5}) == {"step": 0, "val/avg_at_k": 0.5}
@@ -255,3 +260,4 @@ def test_older_runs_rows_read_under_the_new_names():
     assert all(new_tag in documented_tags for new_tag in RENAMED_TAGS.values())
     # Old names are gone, except the two verl names that now carry verl's meaning.
     assert not set(RENAMED_TAGS) - {"actor/pg_clipfrac_lower", "actor/grad_norm"} & set(documented_tags)
+    assert not [t for t in documented_tags if t.startswith("queue/")]

@@ -8,7 +8,7 @@ import logging
 
 from async_dapo.config import load_config
 from async_dapo.data import PromptCursor
-from async_dapo.replay_service import ReplayService
+from async_dapo.replay_queue import ReplayQueue
 
 
 def _cfg(*extra):
@@ -39,7 +39,7 @@ def test_cursor_with_every_row_quarantined_is_exhausted_instead_of_spinning():
 
 def test_a_row_that_fails_scoring_k_times_is_quarantined_once_and_not_reissued(caplog):
     async def scenario():
-        svc = ReplayService(_cfg())
+        svc = ReplayQueue(_cfg())
         try:
             seen = []
             for attempt in range(3):
@@ -51,7 +51,7 @@ def test_a_row_that_fails_scoring_k_times_is_quarantined_once_and_not_reissued(c
         finally:
             await svc.close()
 
-    with caplog.at_level(logging.ERROR, logger="async_dapo.replay_service"):
+    with caplog.at_level(logging.ERROR, logger="async_dapo.replay_queue"):
         seen, later, stats, state = asyncio.run(scenario())
     bad = seen[0]
     assert seen == [bad] * 3  # a given-back prompt is re-issued first: the same row three times
@@ -66,7 +66,7 @@ def test_a_row_that_fails_scoring_k_times_is_quarantined_once_and_not_reissued(c
 
 def test_other_failures_never_quarantine():
     async def scenario():
-        svc = ReplayService(_cfg())
+        svc = ReplayQueue(_cfg())
         try:
             for _ in range(5):
                 (ticket,) = await svc.admit(0, 1)

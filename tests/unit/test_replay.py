@@ -27,11 +27,25 @@ from async_dapo.replay import (
     FILTER_METRICS,
     FREES_ADMISSION,
     OUTCOMES,
-    FakeVersionSource,
     ReplayPolicy,
     keeps_group,
     metric_values,
 )
+
+
+class FakeVersionSource:
+    """A settable version source (``replay.VersionSource``), so the policy is testable without a learner."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+
+    def current(self) -> int:
+        return self.version
+
+    def advance(self, steps: int = 1) -> int:
+        self.version += steps
+        return self.version
+
 
 MIXED = (True, False)
 ALL_CORRECT = (True, True)
@@ -219,7 +233,7 @@ def test_arrival_errors_change_nothing():
     policy.admit()
     with pytest.raises(ValueError):
         policy.on_group(grp(accuracies=()))
-    with pytest.raises(ValueError):  # a shaped reward is not an accuracy (loss.keep_group)
+    with pytest.raises(ValueError):  # a shaped reward is not an accuracy (replay.metric_values)
         policy.on_group(Grp("r", 0, (1.0, -1.0)))  # type: ignore[arg-type]
     assert policy.stats.received == 0 and policy.stats.running == 1
 
@@ -295,6 +309,35 @@ def test_keeps_group_is_exact_inequality():
     assert keeps_group((1.0, 0.75)) and keeps_group((0.0, 0.0, 1e-12))
     assert not keeps_group((0.1, 0.1, 0.1))  # numpy's std here is ~1.4e-17 > 0: verl would keep it
     assert not keeps_group((0.5,)) and not keeps_group(())
+
+
+# The acc rule as the queue applies it, keeps_group(metric_values(group, "acc")): kept iff
+# 0 < #correct < group size. The queue sees wire.Group.accuracies, a tuple of bools; the two cases
+# that were torch tensors (the removed loss.keep_group took them) are given as that tuple.
+@pytest.mark.parametrize(
+    ("accuracies", "kept"),
+    [
+        ((True, False), True),
+        ((1, 0, 0, 0), True),
+        ((1.0, 1.0, 0.0), True),
+        ((True, False, True), True),  # was torch.tensor([True, False, True])
+        ((True, True, True), False),  # all correct: zero advantage, no gradient
+        ((False, False), False),  # all wrong
+        ((0, 0), False),  # was torch.tensor([0, 0])
+        ((True,), False),  # a group of one is never mixed
+        ((), False),
+    ],
+)
+def test_acc_rule_keeps_only_mixed_groups(accuracies, kept: bool) -> None:
+    assert keeps_group(metric_values(Grp("a", 0, accuracies), "acc")) is kept
+    assert keeps_group(accuracies) is kept
+
+
+@pytest.mark.parametrize("bad", [(1.0, -1.0), (0.5, 0.0), (1.0, 0.75)])
+def test_acc_metric_refuses_shaped_rewards(bad: tuple[float, ...]) -> None:
+    # +1/-1 scores or overlong-shaped rewards are not accuracies.
+    with pytest.raises(ValueError, match="accuracies"):
+        metric_values(Grp("r", 0, bad), "acc")  # type: ignore[arg-type]
 
 
 def test_wire_group_exposes_the_metric_values():

@@ -12,7 +12,7 @@ import pytest
 
 from async_dapo.config import load_config
 from async_dapo.data import synthetic_rows
-from async_dapo.rollout import GroupFailed, RolloutWorker, _Session, failure_reason
+from async_dapo.rollout import EngineSession, GroupFailed, RolloutWorker, failure_reason, fit_prompt, gather_all
 from async_dapo.scoring import ScoringFailed
 from async_dapo.wire import OversizedMessage
 
@@ -51,7 +51,7 @@ class FakeTM:
 
 def _session(script, *overrides):
     cfg = load_config(None, ["rollout.max_abort_retries=2", "rollout.request_timeout_s=0.3", *overrides])
-    return _Session(cfg, 0, 0, None, [], FakeTM(script))
+    return EngineSession(cfg, 0, 0, None, [], FakeTM(script))
 
 
 def test_foreign_aborts_are_retried_then_fail_the_group():
@@ -260,7 +260,7 @@ def test_a_timed_out_call_is_cancelled_and_its_requests_aborted():
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="generate: no result in 0 s"):
-            worker._call(s.generate([[1], [2]], {}), 0.3, "generate")
+            worker._call(gather_all(s.sample_once(p, {}) for p in [[1], [2]]), 0.3, "generate")
         assert time.monotonic() - t0 < 5
         assert sorted(s.tm.aborted) == sorted(s.tm.rids)  # both requests, aborted by the time we returned
         pending = [t for t in asyncio.all_tasks(worker.loop) if not t.done()]
@@ -274,11 +274,11 @@ def test_prompt_truncation_follows_the_config():
     long = list(range(100))
     s = _session(["ok"], "data.max_prompt_length=64", "rollout.engine.context_length=512")
     with pytest.raises(GroupFailed) as err:
-        s._fit(long, 3)
+        fit_prompt(s.cfg, long, 3)
     assert err.value.reason == "prompt_too_long"
     s = _session(["ok"], "data.max_prompt_length=64", "data.truncation=left", "rollout.engine.context_length=512")
-    assert s._fit(long, 3) == list(range(36, 100))  # verl's left truncation keeps the last tokens
-    assert s._fit(long[:10], 3) == long[:10]
+    assert fit_prompt(s.cfg, long, 3) == list(range(36, 100))  # verl's left truncation keeps the last tokens
+    assert fit_prompt(s.cfg, long[:10], 3) == long[:10]
 
 
 @pytest.mark.parametrize("exc, reason", [

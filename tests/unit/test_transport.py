@@ -20,6 +20,8 @@ from async_dapo.config import load_config
 from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret
 from async_dapo.wire import Group, OversizedMessage, Sample, decode_group, encode_group
 
+from .rx import recv
+
 RECV_MS = 1000  # generous per-message wait; a healthy local delivery takes well under 10 ms
 
 
@@ -89,7 +91,7 @@ def test_groups_arrive_in_order_and_intact(receiver, connect):
     sent = [make_group(f"g{i}", n_tokens=i + 1, version=i) for i in range(20)]
     for group in sent:
         tx.send(group)
-    got = [receiver.recv(RECV_MS) for _ in sent]
+    got = [recv(receiver, RECV_MS) for _ in sent]
     assert [g.group_id for g in got] == [f"g{i}" for i in range(20)]
     assert got == sent
     assert got[19].samples[0].versions.tolist() == [19] * 20
@@ -105,12 +107,12 @@ def test_bad_frames_dropped_and_counted_valid_ones_delivered(receiver, connect):
     tx.send(make_group("too-big", n_tokens=1000))  # a VALID group, but ~12 kB > 4096
     tx.send_bytes(foreign_schema_bytes())
     tx.send(make_group("last"))
-    assert receiver.recv(RECV_MS).group_id == "first"
-    assert receiver.recv(RECV_MS).group_id == "last"
+    assert recv(receiver, RECV_MS).group_id == "first"
+    assert recv(receiver, RECV_MS).group_id == "last"
     assert receiver.counters == {"received": 2, "rejected_auth": 0, "rejected_malformed": 1,
                                  "rejected_oversized": 1, "rejected_schema": 1, "rejected_peers": 0}
     assert receiver.last_error == "schema: foreign schema 'someone_else.batch' (expected 'async_dapo.group')"
-    assert receiver.recv(timeout_ms=20) is None
+    assert recv(receiver, timeout_ms=20) is None
 
 
 def test_newer_version_counted_as_schema_and_reason_kept(receiver, connect):
@@ -120,7 +122,7 @@ def test_newer_version_counted_as_schema_and_reason_kept(receiver, connect):
     tx.send_bytes(msgpack.packb(obj, use_bin_type=True))
     tx.send_bytes(b"\x81\xa1a")  # truncated map
     tx.send(make_group("ok"))
-    assert receiver.recv(RECV_MS).group_id == "ok"
+    assert recv(receiver, RECV_MS).group_id == "ok"
     assert receiver.counters["rejected_schema"] == 1 and receiver.counters["rejected_malformed"] == 1
     assert receiver.last_error.startswith("message: not valid msgpack (")
 
@@ -130,7 +132,7 @@ def test_multipart_frames_are_malformed(receiver, raw_push):
     good = encode_group(make_group("ok"))
     sock.send_multipart([good, good])
     sock.send(good)
-    assert receiver.recv(RECV_MS).group_id == "ok"
+    assert recv(receiver, RECV_MS).group_id == "ok"
     assert receiver.counters == {"received": 1, "rejected_auth": 0, "rejected_malformed": 1,
                                  "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0}
     assert receiver.last_error == "message: 2 frames, expected 1"
@@ -138,10 +140,10 @@ def test_multipart_frames_are_malformed(receiver, raw_push):
 
 def test_recv_timeout_returns_none(receiver):
     start = time.monotonic()
-    assert receiver.recv(timeout_ms=100) is None
+    assert recv(receiver, timeout_ms=100) is None
     assert 0.09 <= time.monotonic() - start < 1.0
     start = time.monotonic()
-    assert receiver.recv(timeout_ms=0) is None
+    assert recv(receiver, timeout_ms=0) is None
     assert time.monotonic() - start < 0.1
 
 
@@ -151,7 +153,7 @@ def test_only_garbage_within_timeout_returns_none(receiver, connect):
         tx.send_bytes(b"\xc1")
     deadline = time.monotonic() + 1.0
     while receiver.counters["rejected_malformed"] < 5 and time.monotonic() < deadline:
-        assert receiver.recv(timeout_ms=50) is None
+        assert recv(receiver, timeout_ms=50) is None
     assert receiver.counters["rejected_malformed"] == 5 and receiver.counters["received"] == 0
 
 
@@ -160,7 +162,7 @@ def test_two_senders_into_one_receiver(receiver, connect):
     for i in range(10):
         a.send(make_group(f"a{i}"))
         b.send(make_group(f"b{i}"))
-    got = [receiver.recv(RECV_MS).group_id for _ in range(20)]
+    got = [recv(receiver, RECV_MS).group_id for _ in range(20)]
     # Fair-queued: interleaving is zmq's business, but each sender's order is kept.
     assert [g for g in got if g[0] == "a"] == [f"a{i}" for i in range(10)]
     assert [g for g in got if g[0] == "b"] == [f"b{i}" for i in range(10)]
@@ -203,11 +205,11 @@ def test_arecv_under_asyncio_and_loop_stays_free(receiver, connect):
     got, ticks, empty = asyncio.run(main())
     assert empty is None and ticks >= 5
     assert got == ["x1", "x2"]
-    # A second event loop (pyzmq re-registers the socket) and then a plain recv both still work.
+    # A second and a third event loop (pyzmq re-registers the socket each time; tests/unit/rx.recv runs one) still work.
     tx.send(make_group("x3"))
     assert asyncio.run(receiver.arecv(RECV_MS)).group_id == "x3"
     tx.send(make_group("x4"))
-    assert receiver.recv(RECV_MS).group_id == "x4"
+    assert recv(receiver, RECV_MS).group_id == "x4"
     assert receiver.counters == {"received": 4, "rejected_auth": 0, "rejected_malformed": 1,
                                  "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0}
 
@@ -220,7 +222,7 @@ def test_message_over_hard_cap_disconnects_peer_but_receiver_survives(connect):
         got = None
         while got is None and time.monotonic() < deadline:
             tx.send(make_group("after"))  # the sender reconnects by itself
-            got = rx.recv(timeout_ms=50)
+            got = recv(rx, timeout_ms=50)
         assert got is not None and got.group_id == "after"
         assert rx.counters["rejected_oversized"] == 0  # not seen by Python: documented
 
@@ -284,7 +286,7 @@ def test_signed_round_trip(signed_receiver, connect, secret):
     sent = [make_group(f"s{i}", n_tokens=i + 1) for i in range(5)]
     for group in sent:
         tx.send(group)
-    assert [signed_receiver.recv(RECV_MS) for _ in sent] == sent
+    assert [recv(signed_receiver, RECV_MS) for _ in sent] == sent
     assert signed_receiver.counters == counts(received=5)
     assert signed_receiver.last_error is None
 
@@ -300,8 +302,8 @@ def test_signed_frame_is_one_frame_tag_then_payload(signed_receiver, raw_push, s
     sock.send_multipart([hmac_frame(secret, encode_group(make_group("split")))[:TAG_BYTES],
                          encode_group(make_group("split"))])  # tag in its own frame: not the format
     sock.send(hmac_frame(secret, encode_group(make_group("last"))))
-    assert signed_receiver.recv(RECV_MS).group_id == "by-hand"
-    assert signed_receiver.recv(RECV_MS).group_id == "last"
+    assert recv(signed_receiver, RECV_MS).group_id == "by-hand"
+    assert recv(signed_receiver, RECV_MS).group_id == "last"
     assert signed_receiver.counters == counts(received=2, rejected_malformed=1)
     assert TAG_BYTES == 32
 
@@ -312,11 +314,11 @@ def test_unsigned_group_rejected_and_receiver_keeps_serving(signed_receiver, con
     tx = connect(signed_receiver, secret=secret)
     deadline = time.monotonic() + 5
     while signed_receiver.counters["rejected_auth"] < 1 and time.monotonic() < deadline:
-        assert signed_receiver.recv(timeout_ms=50) is None
+        assert recv(signed_receiver, timeout_ms=50) is None
     assert signed_receiver.counters == counts(rejected_auth=1)
     assert signed_receiver.last_error == "message: HMAC tag mismatch (unsigned, foreign or tampered)"
     tx.send(make_group("legit"))
-    assert signed_receiver.recv(RECV_MS) == make_group("legit")
+    assert recv(signed_receiver, RECV_MS) == make_group("legit")
     assert signed_receiver.counters == counts(received=1, rejected_auth=1)
 
 
@@ -329,7 +331,7 @@ def test_group_signed_with_another_secret_rejected(signed_receiver, connect, sec
     deadline = time.monotonic() + 5
     while len(got) < 1 or sum(signed_receiver.counters.values()) < 3:
         assert time.monotonic() < deadline, signed_receiver.counters
-        group = signed_receiver.recv(timeout_ms=50)
+        group = recv(signed_receiver, timeout_ms=50)
         got += [group] if group is not None else []
     assert [g.group_id for g in got] == ["ours"]
     assert signed_receiver.counters == counts(received=1, rejected_auth=2)
@@ -347,7 +349,7 @@ def test_tampered_payload_rejected(signed_receiver, connect, secret):
     tag_flipped[0] ^= 0x80
     tx.send_bytes(bytes(tag_flipped), sign=False)
     tx.send(make_group("after"))
-    assert signed_receiver.recv(RECV_MS).group_id == "after"
+    assert recv(signed_receiver, RECV_MS).group_id == "after"
     assert signed_receiver.counters == counts(received=1, rejected_auth=2)
 
 
@@ -357,8 +359,8 @@ def test_send_bytes_signs_unless_told_not_to(signed_receiver, connect, secret):
     tx.send_bytes(payload, sign=False)  # unsigned: rejected
     tx.send_bytes(payload)  # signed by the sender
     tx.send_bytes(hmac_frame(secret, payload), sign=False)  # signed by hand
-    assert signed_receiver.recv(RECV_MS).group_id == "raw"
-    assert signed_receiver.recv(RECV_MS).group_id == "raw"
+    assert recv(signed_receiver, RECV_MS).group_id == "raw"
+    assert recv(signed_receiver, RECV_MS).group_id == "raw"
     assert signed_receiver.counters == counts(received=2, rejected_auth=1)
 
 
@@ -369,8 +371,8 @@ def test_sender_max_message_bytes_raises_and_sends_nothing(signed_receiver, conn
     with pytest.raises(OversizedMessage, match=f"'too-big': {size} bytes > max_message_bytes 4096, not sent"):
         tx.send(big)
     tx.send(make_group("fits"))
-    assert signed_receiver.recv(RECV_MS).group_id == "fits"
-    assert signed_receiver.recv(timeout_ms=100) is None
+    assert recv(signed_receiver, RECV_MS).group_id == "fits"
+    assert recv(signed_receiver, timeout_ms=100) is None
     assert signed_receiver.counters == counts(received=1)
 
 
@@ -382,13 +384,13 @@ def test_signed_payload_of_exactly_max_bytes_fits_the_caps(connect, secret):
     with GroupReceiver(max_message_bytes=limit, secret=secret, hard_cap_bytes=limit + TAG_BYTES) as rx:
         tx = connect(rx, secret=secret)
         tx.send(make_group("edge"))  # frame = limit + 32 == hard cap: accepted
-        assert rx.recv(RECV_MS).group_id == "edge"
+        assert recv(rx, RECV_MS).group_id == "edge"
     with GroupReceiver(max_message_bytes=limit, secret=secret, hard_cap_bytes=limit + 64) as rx:
         tx = connect(rx, secret=secret, max_message_bytes=limit)
         tx.send(make_group("edge"))
         tx.send_bytes(b"\x00" * (limit + 1))  # one byte over: counted, neither verified nor unpacked
         tx.send(make_group("edge"))
-        assert [rx.recv(RECV_MS).group_id for _ in range(2)] == ["edge", "edge"]
+        assert [recv(rx, RECV_MS).group_id for _ in range(2)] == ["edge", "edge"]
         assert rx.counters == counts(received=2, rejected_oversized=1)
         assert rx.last_error == f"message: {limit + 1} bytes > max_message_bytes {limit}"
     with GroupReceiver(max_message_bytes=1000, secret=secret) as rx:
@@ -399,8 +401,8 @@ def test_from_config_passes_the_secret(secret, connect):
     with GroupReceiver.from_config(load_config(None), secret=secret) as rx:
         connect(rx).send(make_group("unsigned"))
         connect(rx, secret=secret).send(make_group("signed"))
-        assert rx.recv(RECV_MS * 5).group_id == "signed"
+        assert recv(rx, RECV_MS * 5).group_id == "signed"
         deadline = time.monotonic() + 5
         while rx.counters["rejected_auth"] < 1 and time.monotonic() < deadline:
-            rx.recv(timeout_ms=50)
+            recv(rx, timeout_ms=50)
         assert rx.counters == counts(received=1, rejected_auth=1)

@@ -27,6 +27,7 @@ from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secr
 from async_dapo.wire import Group, Sample
 
 from .memprobe import MIB, ReceiverProcess
+from .rx import recv
 
 MAX_BYTES = 64 * 1024
 HARD_CAP = max(2 * MAX_BYTES, MAX_BYTES + MIB) + 32  # 1114144, written out: the formula under test
@@ -161,7 +162,7 @@ def sends_until(rx: GroupReceiver, tx: GroupSender, condition, seconds: float) -
             tx.send(make_group(f"late-{i}"), timeout_ms=100)
         except TimeoutError:
             pass
-        group = rx.recv(timeout_ms=50)
+        group = recv(rx, timeout_ms=50)
         got += [group.group_id] if group is not None else []
     raise AssertionError("unreachable")
 
@@ -169,7 +170,7 @@ def sends_until(rx: GroupReceiver, tx: GroupSender, condition, seconds: float) -
 def test_refused_sender_connects_again_and_gets_in_once_a_slot_frees():
     with GroupReceiver(max_message_bytes=4096, max_peers=1) as rx, GroupSender(rx.address, linger_ms=0) as holder:
         holder.send(make_group("holder"))
-        assert rx.recv(RECV_MS).group_id == "holder"
+        assert recv(rx, RECV_MS).group_id == "holder"
         with GroupSender(rx.address, linger_ms=0) as late:
             wait_for(lambda: rx.counters["rejected_peers"] >= 1, "the late sender refused at its handshake")
             # While the slot is held, the late sender keeps connecting again (refused each time) and nothing
@@ -195,7 +196,7 @@ def test_a_burst_beyond_max_peers_settles_to_exactly_max_peers():
                     tx.send(make_group(f"s{i}"), timeout_ms=0)
                 except TimeoutError:
                     pass
-            group = rx.recv(timeout_ms=50)
+            group = recv(rx, timeout_ms=50)
             heard.update({group.group_id} if group is not None else set())
 
         try:
@@ -295,11 +296,11 @@ def test_default_budget_grows_to_fit_many_peers():
     assert receive_budget(None, 2, cap) == 4 * 1024**3 and receive_hwm(4 * 1024**3, 2, cap) == 12
 
 
-def test_replay_service_stats_count_refused_peers():
-    from async_dapo.replay_service import ReplayService
+def test_replay_queue_stats_count_refused_peers():
+    from async_dapo.replay_queue import ReplayQueue
 
     async def main() -> tuple[int, dict]:
-        svc = ReplayService(load_config(None))  # num_engines 1 -> max_peers 2
+        svc = ReplayQueue(load_config(None))  # num_engines 1 -> max_peers 2
         socks = []
         try:
             for want_open in (1, 2, 2):  # one at a time: the third finds both slots taken

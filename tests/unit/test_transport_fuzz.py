@@ -51,6 +51,7 @@ from async_dapo.wire import (
 )
 
 from .memprobe import MIB, PeakGrowth
+from .rx import recv
 
 MAX_BYTES = 64 * 1024  # payload limit of the fuzzed receivers; hard cap is >1 MiB above it
 RECV_MS = 2000  # per recv call; only a failing test ever waits this long
@@ -123,7 +124,7 @@ def drain_until(rx: GroupReceiver, group_id: str) -> list[Group]:
     deadline = time.monotonic() + DRAIN_S
     while not got or got[-1].group_id != group_id:
         assert time.monotonic() < deadline, f"sentinel {group_id} lost; counters {rx.counters}"
-        group = rx.recv(timeout_ms=RECV_MS)
+        group = recv(rx, timeout_ms=RECV_MS)
         if group is not None:
             got.append(group)
     return got
@@ -430,7 +431,7 @@ def test_flood_from_foreign_sender_rejected_memory_bounded_legit_groups_arrive()
                     assert not errors, errors
                     if legit:  # one per round: each then has to get through the flood (fair queueing)
                         tx.send(legit.pop(0), timeout_ms=RECV_MS)
-                    group = rx.recv(timeout_ms=200)
+                    group = recv(rx, timeout_ms=200)
                     got += [group] if group is not None else []
             finally:
                 stop.set()
@@ -445,4 +446,4 @@ def test_flood_from_foreign_sender_rejected_memory_bounded_legit_groups_arrive()
         assert py_peak < 16 * 1024 * 1024, f"Python heap peaked at {py_peak} bytes"
         # And it keeps serving after the flood.
         tx.send(make_group("after-flood"))
-        assert rx.recv(RECV_MS * 5) == make_group("after-flood")
+        assert recv(rx, RECV_MS * 5) == make_group("after-flood")

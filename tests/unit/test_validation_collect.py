@@ -1,4 +1,4 @@
-"""The orchestrator's validation beside training (issue 14): a validation still running never holds the
+"""The orchestrator's validation beside training: a validation still running never holds the
 loop, a finished one is logged at the step it started, a failed or late one is skipped with a warning and
 the run goes on. Ray's wait and the engines are stand-ins here; tests/integration/test_train_e2e.py runs
 the real thing."""

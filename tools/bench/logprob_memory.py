@@ -1,7 +1,7 @@
 """Peak host memory of the learner's log-prob forward + backward: the old full-vocabulary path versus
 ``async_dapo.loss.token_logprobs`` (chunked), each measured in a fresh process.
 
-    python tools/bench_logprob_memory.py [--shape 4,2048,32768] [--temperature 0.7] [--chunk-tokens 1024]
+    python tools/bench/logprob_memory.py [--shape 4,2048,32768] [--temperature 0.7] [--chunk-tokens 1024]
 
 old: ``torch.log_softmax(logits.float() / T, -1).gather(-1, targets)`` (what the learner did); new:
 ``token_logprobs(logits, targets, temperature=T, chunk_tokens=...)``. Each child allocates fp32 logits
@@ -20,6 +20,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+import common  # noqa: E402
 
 MODES = ("old", "new")
 
@@ -91,7 +94,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser(__file__, __doc__)
     parser.add_argument("--shape", type=_shape, default=(4, 2048, 32768), help="B,T,V of the fp32 logits")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--chunk-tokens", type=int, default=1024)

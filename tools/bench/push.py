@@ -1,7 +1,7 @@
 """Weight push from a learner rank to a real SGLang engine versus a raw gloo broadcast of the same bytes,
 the learner's stall per push, and learner tokens/s, measured in one run.
 
-    python tools/bench_push.py --config configs/tiny_cpu.yaml [--set a.b=c ...] [--size tiny|medium]
+    python tools/bench/push.py --config configs/tiny_cpu.yaml [--set a.b=c ...] [--size tiny|medium]
                                [--pushes 5] [--steps 5]
 
 ``--size tiny`` uses the configured (bootstrapped) tiny model. ``--size medium`` builds once, under
@@ -22,11 +22,14 @@ One Ray session (2 CPUs): one rollout actor (real SGLang CPU engine) and one lea
 Prints one JSON line; ratio_push_over_raw = push GB/s / raw GB/s is the comparable number.
 """
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+import common  # noqa: E402
 
 MEDIUM_DIR = Path("runs/bench_medium_model")
 MEDIUM_SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
@@ -172,9 +175,9 @@ def run(cfg, steps: int, pushes: int) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from async_dapo.device import engine_dtype, resolve_device
-    from async_dapo.learner import WEIGHT_GROUP, learner_actor_class
+    from async_dapo.learner import learner_actor_class
     from async_dapo.rollout import rollout_actor_class
-    from async_dapo.weight_sync import free_port
+    from async_dapo.weight_sync import WEIGHT_GROUP, free_port
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     model_cfg = AutoConfig.from_pretrained(cfg.model.path)
@@ -228,24 +231,15 @@ def run(cfg, steps: int, pushes: int) -> dict:
 
 
 def main() -> None:
-    from async_dapo.bootstrap import bootstrap
-    from async_dapo.config import load_config
-    from async_dapo.device import pin_threads
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap = common.parser(__file__, __doc__, config=True)
     ap.add_argument("--size", choices=["tiny", "medium"], default="tiny")
     ap.add_argument("--pushes", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    if cfg.model.bootstrap is not None:
-        bootstrap(cfg)
-    path = Path(cfg.model.path) if args.size == "tiny" else build_medium_model(Path(cfg.model.path))
-    # Absolute, so every Ray worker finds it whatever its working directory.
-    cfg = load_config(args.config, args.overrides + [f"model.path={path.resolve()}", "model.bootstrap=null"])
-    pin_threads(1)
+    cfg = common.load_model(args)  # the tiny model, by its absolute path (every Ray worker finds it)
+    if args.size == "medium":
+        medium = build_medium_model(Path(cfg.model.path)).resolve()
+        cfg = common.load(args, [f"model.path={medium}", "model.bootstrap=null"])
     r = run(cfg, args.steps, args.pushes)
 
     from transformers import AutoModelForCausalLM

@@ -1,14 +1,15 @@
 """GPU smoke test of one FSDP2 learner rank, driven directly (no Ray), for a single-GPU machine whose image
 has torch and transformers but no sglang, ray or zmq. Writes ONE JSON; exits 1 if any check failed.
 
-    python tools/gpu_smoke.py --out runs/gpu_smoke/gpu_smoke.json           # CUDA: Qwen2.5-0.5B shape
-    python tools/gpu_smoke.py --device cpu --tiny --out /tmp/x.json         # the same code path on CPU (gloo)
+    python tools/gpu/gpu_smoke.py --out runs/gpu_smoke/gpu_smoke.json       # CUDA: Qwen2.5-0.5B shape
+    python tools/gpu/gpu_smoke.py --device cpu --tiny --out /tmp/x.json     # the same code path on CPU (gloo)
 
 ``tools/gpu_smoke.sh`` wraps it for the device machine (installs the carried .whl/ wheels first). The model
 is a randomly initialised Qwen2 built here from a ``transformers.Qwen2Config`` and saved as safetensors
 (bf16, like the hub's checkpoints) into a scratch directory: nothing is downloaded, no tokenizer is needed.
-Config: ``async_dapo.config.load_config(None, overrides)`` with model.bootstrap=null, bf16 compute
-(FSDP2 MixedPrecisionPolicy, fp32 master weights), activation checkpointing, an NCCL (CPU: gloo) world of 1.
+Config: ``load_config(None, overrides)`` (tools/common.py's, async_dapo.config's) with model.bootstrap=null,
+bf16 compute (FSDP2 MixedPrecisionPolicy, fp32 master weights), activation checkpointing, an NCCL (CPU: gloo)
+world of 1.
 
 Checks, in the order they run (each check's dict in the JSON has ``ok`` and ``error``):
 
@@ -24,8 +25,8 @@ grad_cosine  ``gradients(groups)`` of A on its fresh weights, later of a float32
 memory       One warm-up train_step (so AdamW's states exist), then for each sample length (CUDA: 4k, 8k,
              16k, 22.5k tokens) one group of G samples of that length, with learner.micro_batch_tokens set
              to the length (one sample per micro-batch): (a) a no-grad log-prob pass over the group's
-             micro-batches (the learner's own ``_plan``/``_logits``/``_token_logprobs``, as its proximal
-             pass runs them) and (b) one ``train_step``. Before each, the peak statistic is reset and the
+             micro-batches (the learner's own ``plan`` and ``logprobs``, as its proximal pass runs
+             them) and (b) one ``train_step``. Before each, the peak statistic is reset and the
              baseline read: CUDA: torch.cuda.max_memory_allocated - memory_allocated; CPU: the process's
              peak RSS (VmHWM, reset through /proc/self/clear_refs) - RSS, with glibc told to return large
              blocks to the system at once. ``bytes_per_token`` = (peak - baseline) / tokens of the largest
@@ -65,7 +66,6 @@ overstays; every wait inside is bounded too (process joins, collective and weigh
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import importlib.abc
@@ -83,9 +83,9 @@ from pathlib import Path
 from typing import Any
 
 T0 = time.perf_counter()
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python tools/gpu_smoke.py` from anywhere finds async_dapo
-    sys.path.insert(0, str(REPO))
+# tools/: common.py (standard library only; it makes async_dapo importable from anywhere)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
 
 
 # Before CUDA starts: cuBLAS is deterministic under torch.use_deterministic_algorithms only with this.
@@ -337,9 +337,7 @@ def build_model(path: Path, shape: dict, device: str) -> dict[str, Any]:
 def make_config(model_dir: Path, device: str, param_dtype: str, preset: dict, backend: str):
     """Defaults plus what the smoke test needs; one mini-batch per group, so a step of two groups makes two
     optimizer updates (the second one's proximal pass included)."""
-    from async_dapo.config import load_config
-
-    return load_config(None, [
+    return common.load_config(None, [
         "model.bootstrap=null", f"model.path={model_dir}",
         f"learner.param_dtype={param_dtype}", "learner.activation_checkpointing=true",
         f"placement.learner_gpus={1 if device == 'cuda' else 0}",
@@ -503,7 +501,7 @@ def check_memory(report: Report, worker, base_cfg, preset: dict, device: str, vo
             entry: dict[str, Any] = {"tokens_per_sample": length, "samples": preset["group"]}
             c[kind][key] = entry
             try:
-                plan = worker._plan(groups)
+                plan = worker.plan(groups)
                 mbs = [mb for p in plan for mb in p.micro_batches]
                 entry["micro_batches"] = len(mbs)
                 entry["micro_batch_tokens"] = max(mb.input_ids.numel() for mb in mbs)
@@ -511,7 +509,7 @@ def check_memory(report: Report, worker, base_cfg, preset: dict, device: str, vo
                     worker.model.train()  # the mode the learner's proximal pass runs in
                     with meter.measure(entry), torch.no_grad():
                         for mb in mbs:
-                            worker._token_logprobs(worker._logits(mb), mb.targets)
+                            worker.logprobs(mb)
                 else:
                     del plan, mbs
                     with meter.measure(entry):
@@ -722,7 +720,7 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser(__file__, __doc__)
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_smoke/gpu_smoke.json"))
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny Qwen2 and short samples (the CPU test's preset)")

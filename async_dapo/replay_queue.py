@@ -9,7 +9,7 @@ Accounting (nothing is lost): every admitted prompt holds a :class:`Ticket` unti
 ticket ends in exactly one of three ways, and each one is counted:
 
 * its group arrives → the policy accepts it (later trained, or dropped as stale/capacity) or drops it
-  (all-correct, all-wrong, stale) — the ``queue/*`` counters;
+  (all-correct, all-wrong, stale) — its counters (logged as ``replay/*``);
 * the producer reports it failed (engine error, scoring exception, oversized or unsendable message,
   aborted or timed-out request) → :meth:`abandon`;
 * nobody reports for ``replay.ticket_ttl_s``, or its rollout actor died → expired / released.
@@ -67,7 +67,7 @@ class Ticket:
         return self.group_id, self.epoch, self.index, self.version
 
 
-class ReplayService:
+class ReplayQueue:
     """Async actor body: ``admit`` / group arrival / ``get_batch`` / ``set_version`` / ``abandon``."""
 
     def __init__(self, cfg: Config, initial_version: int = 0) -> None:
@@ -327,4 +327,4 @@ class ReplayService:
 def replay_actor_class(cfg: Config, **options):
     import ray
 
-    return ray.remote(ReplayService).options(num_cpus=cfg.placement.queue_cpus, max_concurrency=64, **options)
+    return ray.remote(ReplayQueue).options(num_cpus=cfg.placement.queue_cpus, max_concurrency=64, **options)

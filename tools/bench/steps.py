@@ -1,7 +1,7 @@
 """Step time of the real system (Ray, SGLang, zmq, FSDP2) under several variants, side by side in one
 invocation: the variants run interleaved (A B C A B C ...) so the machine's drift hits all of them alike.
 
-    python tools/bench_steps.py --config configs/tiny_cpu.yaml --steps 60 --repeats 2 \
+    python tools/bench/steps.py --config configs/tiny_cpu.yaml --steps 60 --repeats 2 \
         --variant "before=rev:665514f" --variant "after=" \
         --variant "after, no sleep_on_idle=--set rollout.engine.sleep_on_idle=false"
 
@@ -14,7 +14,6 @@ first ``--warmup`` steps, of which waiting for data, generation tokens/s, and th
 compare the ratios.
 """
 
-import argparse
 import json
 import shlex
 import statistics
@@ -23,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlib import REPO, records, run_train, step_records  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+from common import REPO, parser, records, run_train, step_records  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, str | None, list[str]]:
@@ -64,9 +63,10 @@ def run(name: str, rev_dir: Path | None, sets: list[str], args, index: int) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__file__, __doc__)
     ap.add_argument("--config", default="configs/tiny_cpu.yaml", help="relative to each variant's tree")
-    ap.add_argument("--variant", action="append", required=True)
+    ap.add_argument("--variant", action="append", required=True,
+                    help="NAME=[rev:REV] [--set a.b=c ...] (repeatable; the first is the reference)")
     ap.add_argument("--common", action="append", default=[], metavar="A.B=C", help="override for every variant")
     ap.add_argument("--model", type=Path, default=Path("models/tiny_cpu"))
     ap.add_argument("--steps", type=int, default=60)

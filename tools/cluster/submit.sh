@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
+# usage: tools/cluster/submit.sh [-h] [--address URL] [--no-wait] [--submit-timeout S] -- <async-dapo train arguments>
+#
 # Submit an async-dapo training run to a Ray cluster as a Ray job.
 #
-#   tools/submit.sh [--address http://HEAD:8265] [--no-wait] [--submit-timeout S] -- --config configs/tiny_cpu.yaml [--set a.b=c ...]
+#   tools/cluster/submit.sh [--address http://HEAD:8265] [--no-wait] [--submit-timeout S] -- --config configs/tiny_cpu.yaml [--set a.b=c ...]
 #
 # The repository is uploaded as the job's working directory (Ray honours .gitignore, so .venv/ and runs/
 # stay behind); every node must already have async_dapo installed (`pip install -e .` or the wheel).
@@ -11,7 +13,19 @@
 # --submit-timeout seconds (default 300; an unreachable head fails here, naming the address). Then the job's
 # logs are followed until it ends -- the run bounds its own waits (docs/reliability.md) -- and this script
 # exits 0 only if the job SUCCEEDED.
+#
+# options:
+#   -h, --help          show this help message and exit
+#   --address URL       the head's job API / dashboard (default $RAY_ADDRESS, else http://127.0.0.1:8265)
+#   --no-wait           exit once submitted (the job id is printed) instead of following the job
+#   --submit-timeout S  seconds the submission may take (default 300)
+#   -- ARGS             everything after -- goes to `async-dapo train`
+#
+# environment:
+#   RAY_ADDRESS         the default --address
+#   RAY_AUTH_MODE       set to "token" when unset and ~/.ray/auth_token exists (Ray 2.60's token auth)
 set -euo pipefail
+usage() { sed -n '2,/^[^#]/{/^#/{s/^# \{0,1\}//;p;};}' "$0"; }  # the comment block above
 address="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 wait=1
 submit_timeout=300
@@ -21,7 +35,8 @@ while [ $# -gt 0 ]; do
     --no-wait) wait=0; shift ;;
     --submit-timeout) submit_timeout="$2"; shift 2 ;;
     --) shift; break ;;
-    *) echo "usage: tools/submit.sh [--address URL] [--no-wait] [--submit-timeout S] -- <async-dapo train arguments>" >&2; exit 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; exit 2 ;;
   esac
 done
 # Ray 2.60's `ray start --head` enables token authentication and keeps the token in ~/.ray/auth_token,
@@ -29,7 +44,7 @@ done
 if [ -z "${RAY_AUTH_MODE:-}" ] && [ -f "${HOME}/.ray/auth_token" ]; then
   export RAY_AUTH_MODE=token
 fi
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root: the job's working directory
 if ! out=$(timeout "$submit_timeout" ray job submit --address "$address" --working-dir . --no-wait -- async-dapo train "$@" 2>&1); then
   echo "$out" >&2
   echo "error: submission to $address did not complete within ${submit_timeout} s (--submit-timeout)" >&2

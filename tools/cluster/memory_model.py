@@ -1,7 +1,7 @@
 """Per-GPU memory model of the FSDP2 learner and the SGLang engines, for a run config (docs/scaling.md).
 
-    python tools/memory_model.py configs/dapo_qwen2.5_32b_16x8.yaml configs/qwen2.5_7b_1x8.yaml
-    python tools/memory_model.py CONFIG --shape Qwen2.5-7B --set learner.micro_batch_tokens=8192
+    python tools/cluster/memory_model.py configs/dapo_qwen2.5_32b_16x8.yaml configs/qwen2.5_7b_1x8.yaml
+    python tools/cluster/memory_model.py CONFIG --shape Qwen2.5-7B --set learner.micro_batch_tokens=8192
 
 Pure arithmetic (no torch, no GPU): every term is bytes on one GPU, written as a formula of the model
 shape (``SHAPES``, keyed by the basename of ``model.path``; ``--shape`` overrides) and the config. Units:
@@ -53,12 +53,14 @@ communicator; NVLS on NVSwitch nodes can take more, NCCL_NVLS_ENABLE=0 takes les
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+import common  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -103,7 +105,7 @@ SHAPES: dict[str, ModelShape] = {
     # num_attention_heads 40, num_key_value_heads 8 (head_dim 128), intermediate_size 27648,
     # tie_word_embeddings false. 32.76B parameters.
     "Qwen2.5-32B": ModelShape(152064, 5120, 64, 40, 8, 128, 27648, tied=False),
-    # Qwen/Qwen2.5-0.5B (tools/gpu_smoke.py's shape): vocab_size 151936, hidden_size 896, 24 layers,
+    # Qwen/Qwen2.5-0.5B (tools/gpu/gpu_smoke.py's shape): vocab_size 151936, hidden_size 896, 24 layers,
     # 14 heads, 2 kv heads (head_dim 64), intermediate_size 4864, tied embeddings. 494M parameters.
     "Qwen2.5-0.5B": ModelShape(151936, 896, 24, 14, 2, 64, 4864, tied=True),
 }
@@ -231,7 +233,7 @@ def mask_row_len(setup: LearnerSetup, tokens: int) -> int:
 
 
 def push_buffers(s: ModelShape, setup: LearnerSetup, rank0: bool = True) -> float:
-    """Gather/broadcast buffers of the push on one rank (async_dapo.learner._gather_and_broadcast).
+    """Gather/broadcast buffers of the push on one rank (async_dapo.weight_sync.WeightSender._gather_and_broadcast).
 
     A bucket holds up to bucket_bytes; a larger tensor gets a bucket of its own (B_max). A multi-tensor
     bucket is gathered into [W, S] and unpad copies it out (2 x bucket while unpadding); a single-tensor
@@ -363,7 +365,7 @@ def startup_bytes(s: ModelShape, world: int, file_bytes: int = 2) -> float:
 # ------------------------------------------------------------------------------------------- smoke
 def phase_slopes(s: ModelShape, setup: LearnerSetup, tokens: int = 1 << 14) -> dict[str, float]:
     """Bytes per extra micro-batch token of each phase, for micro-batches of one row (no padding mask),
-    past the log-prob chunk: what tools/gpu_smoke.py's memory check fits as its slope."""
+    past the log-prob chunk: what tools/gpu/gpu_smoke.py's memory check fits as its slope."""
     one_row = dataclasses.replace(setup, max_seq_len=0)  # T_mask = 0: a single row has no mask
     lo = learner_peak(s, one_row, tokens)[2]
     hi = learner_peak(s, one_row, tokens + 1024)[2]
@@ -371,7 +373,7 @@ def phase_slopes(s: ModelShape, setup: LearnerSetup, tokens: int = 1 << 14) -> d
 
 
 def smoke_setup() -> LearnerSetup:
-    """tools/gpu_smoke.py's learner: one rank, bf16 compute, one sample per micro-batch, 64 MiB buckets."""
+    """tools/gpu/gpu_smoke.py's learner: one rank, bf16 compute, one sample per micro-batch, 64 MiB buckets."""
     return LearnerSetup(world=1, compute_bytes=2, micro_batch_tokens=4096, chunk_tokens=1024, max_seq_len=0,
                         seqs_per_rank_step=4, bucket_bytes=64 * MIB, push_bytes=2, nccl_comms=1)
 
@@ -449,7 +451,7 @@ def smoke_report() -> str:
     s = SHAPES["Qwen2.5-0.5B"]
     slopes = phase_slopes(s, smoke_setup())
     worst = max(slopes, key=slopes.get)
-    lines = ["## tools/gpu_smoke.py memory check: Qwen2.5-0.5B, one rank, bf16, one sample per micro-batch", "",
+    lines = ["## tools/gpu/gpu_smoke.py memory check: Qwen2.5-0.5B, one rank, bf16, one sample per micro-batch", "",
              "| phase | bytes per token | KiB per token |", "|---|---|---|"]
     lines += [f"| {ph} | {slopes[ph]:,.0f} | {slopes[ph] / 1024:.1f} |" for ph in PHASES]
     n = 1 << 14
@@ -464,21 +466,18 @@ def smoke_report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from async_dapo.config import load_config
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("configs", nargs="*")
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("configs", nargs="*", metavar="CONFIG", help="run config(s) (YAML), one report each")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="model shape (default: basename of model.path)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--smoke", action="store_true", help="also print what tools/gpu_smoke.py should measure")
+    common.add_sets(ap)
+    ap.add_argument("--smoke", action="store_true", help="also print what tools/gpu/gpu_smoke.py should measure")
     args = ap.parse_args(argv)
     if not args.configs and not args.smoke:
         ap.error("give at least one config (or --smoke)")
     if args.smoke:
         print(smoke_report())
     for path in args.configs:
-        cfg = load_config(path, args.overrides)
+        cfg = common.load_config(path, args.overrides)
         key, shape = shape_for(cfg, args.shape)
         print(report(path, cfg, key, shape))
     return 0

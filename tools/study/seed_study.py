@@ -1,7 +1,7 @@
 """Does the default learn whatever the start? Runs ``async-dapo train`` for every (bootstrap seed, RL seed)
 pair, one after another, and prints one Markdown table of the validation curves and the gains.
 
-    python tools/seed_study.py --config configs/tiny_cpu.yaml --bootstrap-seeds 0 1 2 --rl-seeds 0 1 \
+    python tools/study/seed_study.py --config configs/tiny_cpu.yaml --bootstrap-seeds 0 1 2 --rl-seeds 0 1 \
         [--out runs/seed_study] [--set a.b=c ...]
 
 Bootstrap seed b builds its own warm start (``model.bootstrap.seed=b``, cached in OUT/model_b<b>; with
@@ -13,15 +13,14 @@ wall column is the whole command without the warm start (the run's time/total_s 
 README's command runs once the model is cached).
 """
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlib import check_reusable, finished, records, run_train  # noqa: E402
-from val_curve import val_rows  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+from common import check_reusable, finished, load, parser, records, run_train  # noqa: E402
+from val_curve import val_rows  # noqa: E402  (tools/study/, this tool's directory)
 
 GAIN = 0.10  # the issue's bar: +10 points of held-out avg@k
 
@@ -75,18 +74,14 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap = parser(__file__, __doc__, config=True)
     ap.add_argument("--bootstrap-seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rl-seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--out", type=Path, default=Path("runs/seed_study"))
     ap.add_argument("--run-timeout", type=float, default=3600, help="seconds one run may take")
     args = ap.parse_args()
     args.out, args.config = args.out.resolve(), Path(args.config).resolve()  # runs start in the repository root
-    from async_dapo.config import load_config
-
-    args.steps = load_config(args.config, args.overrides).learner.total_steps  # what a finished run trained
+    args.steps = load(args).learner.total_steps  # what a finished run trained
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for b in args.bootstrap_seeds:

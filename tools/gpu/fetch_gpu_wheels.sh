@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# usage: bash tools/gpu/fetch_gpu_wheels.sh [-h]
+#
 # Download, once, the wheels that tools/gpu_smoke.sh installs on the GPU machine (its image has Python
 # 3.12, torch, transformers, msgpack, numpy, pyyaml, safetensors, psutil, but not pydantic; nothing can be
 # downloaded there). They land in .whl/ (git-ignored through .git/info/exclude) and travel with
@@ -12,10 +14,24 @@
 # image; ray, zmq and sglang are not needed by LearnerWorker outside Ray (tests/integration/
 # test_gpu_smoke_cpu.py checks that). About 2.8 MB in all.
 #
-# Versions are pinned to the ones installed in this repo's .venv (the ones the tests run with).
-#   bash tools/fetch_gpu_wheels.sh            # from the repo root
+# Versions are pinned to the ones installed in this repo's .venv (the ones the tests run with); no
+# dependency resolution; pip's own configuration (index, mirrors) applies. Exits non-zero if a package is not
+# installed there or not exactly one wheel of each came down. Runs from any directory (it changes to the
+# repository root).
+#
+# options:
+#   -h, --help    show this help message and exit
+#
+# environment:
+#   PY            the Python whose installed versions are pinned and whose pip downloads (default .venv/bin/python)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+usage() { sed -n '2,/^[^#]/{/^#/{s/^# \{0,1\}//;p;};}' "$0"; }  # the comment block above
+case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    "") ;;
+    *) usage >&2; exit 2 ;;
+esac
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 PACKAGES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
 

@@ -1,7 +1,7 @@
 """Throughput of the real system (Ray, SGLang, zmq, FSDP2) in each overlap mode, and of its two roles alone,
 measured side by side in one invocation.
 
-    python tools/bench_throughput.py [--preset default balanced] [--quick] [--steps 60 --warmup 10]
+    python tools/bench/throughput.py [--preset default balanced] [--quick] [--steps 60 --warmup 10]
 
 Modes: synchronous (eta = 0), one-step overlap (eta = 1), asynchronous eta = 2 and 4. Each is a normal
 ``async-dapo train`` run of ``--steps`` steps (no validation, no checkpoint) on the same model, placement and
@@ -35,15 +35,16 @@ numbers are not results.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlib import check_reusable, finished, records, run_train, step_records, write_table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+from common import (  # noqa: E402
+    check_reusable, finished, load_config, parser, records, run_train, step_records, write_table,
+)
 
 MODES = {"sync": 0, "eta1": 1, "eta2": 2, "eta4": 4}
 QUICK_MODES = {"sync": 0, "eta2": 2}
@@ -168,8 +169,6 @@ def plot(rows: list[dict], g: float, t: float, path: Path, title: str) -> None:
 def measure_roles(args, cfg, sets: list[str], modes: dict[str, int]) -> tuple[dict[str, float], float]:
     """({mode: g}, t): each mode's generation alone at its own concurrency, then training alone on the
     batches of the synchronous (B in flight) generation phase."""
-    from async_dapo.config import load_config
-
     count = max(2, args.steps - 2 * args.warmup)
     g, batches = {}, {}
     for name, eta in modes.items():
@@ -181,8 +180,6 @@ def measure_roles(args, cfg, sets: list[str], modes: dict[str, int]) -> tuple[di
 
 
 def bench_preset(args, preset: str) -> list[dict]:
-    from async_dapo.config import load_config
-
     out = args.out / preset
     sets = [*COMMON, f"model.path={args.model.resolve()}", *PRESETS[preset], *(QUICK if args.quick else []),
             *args.overrides]
@@ -220,15 +217,13 @@ def bench_preset(args, preset: str) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/tiny_cpu.yaml")
+    ap = parser(__file__, __doc__, config="configs/tiny_cpu.yaml")
     ap.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=["default"])
     ap.add_argument("--quick", action="store_true", help="CI-size smoke: eta 0 and 2, B = 16, 6 steps")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode (default 60; quick 6)")
     ap.add_argument("--warmup", type=int, default=None, help="steps (and role batches) discarded (10; quick 2)")
     ap.add_argument("--model", type=Path, default=Path("models/tiny_cpu"),
                     help="the shipped warm start, or one built by `async-dapo bootstrap`")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C")
     ap.add_argument("--out", type=Path, default=Path("runs/bench_throughput"))
     ap.add_argument("--resume", action="store_true", help="reuse modes whose run finished earlier")
     ap.add_argument("--run-timeout", type=float, default=1800, help="seconds one run (or role phase) may take")

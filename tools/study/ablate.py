@@ -1,8 +1,8 @@
 """Ablation studies: a grid of normal training runs (cells x seeds), each in its own run directory, resumable,
 summarised as CSV, PNG curves and a Markdown table.
 
-    python tools/ablate.py --study staleness [--preset quick|full|grid] [--seeds 0 1 2] [--out runs/ablate]
-    python tools/ablate.py --study dapo --preset grid --address http://HEAD:8265 --out /shared/ablate
+    python tools/study/ablate.py --study staleness [--preset quick|full|grid] [--seeds 0 1 2] [--out runs/ablate]
+    python tools/study/ablate.py --study dapo --preset grid --address http://HEAD:8265 --out /shared/ablate
 
 Studies (``--list`` prints their cells):
 * ``staleness``: eta in {0, 1, 2, 4, 8} x off-policy correction in {none, naive, decoupled} (AReaL's
@@ -35,7 +35,6 @@ band = min..max).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shlex
@@ -45,8 +44,11 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlib import REPO, check_reusable, finished, records, run_train, step_records, train_command, write_table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+from common import (  # noqa: E402
+    REPO, check_reusable, cli_command, finished, load_config, parser, records, run_train, step_records,
+    train_command, write_table,
+)
 
 # The DAPO study's task: the warm start writes the carry/borrow line for half of its carry/borrow problems
 # (16-17 tokens with EOS, other answers 3-4), so a 15-token budget cuts ~17 % of the first step's responses
@@ -150,10 +152,7 @@ def _slug(cell: str) -> str:
 def build_model(args, preset: Preset) -> Path:
     """One warm start for the whole study (the task's validation split changes the bootstrap's data)."""
     model = (args.out / args.study / "model").resolve()
-    sets = [*VAL, *preset.extra, f"model.path={model}", *args.overrides]
-    cmd = [sys.executable, "-m", "async_dapo.cli", "bootstrap", "--config", args.config]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = cli_command("bootstrap", args.config, [*VAL, *preset.extra, f"model.path={model}", *args.overrides])
     import subprocess
 
     try:
@@ -198,7 +197,7 @@ def run_cluster(args, jobs: list[Job]) -> None:
                 if known.get(sid) in ended:  # an earlier attempt ended without finishing: a new attempt
                     sid = f"{sid}-{int(time.time())}"
                 if sid not in known:
-                    # As tools/submit.sh submits: the repository as working dir (Ray leaves .gitignore'd
+                    # As tools/cluster/submit.sh submits: the repository as working dir (Ray leaves .gitignore'd
                     # paths such as runs/ and .venv/ behind), async_dapo installed on every node.
                     entry = shlex.join(["async-dapo", *train_command(args.config, job.sets
                                                                      + ["placement.ray_address=auto"])[3:]])
@@ -254,7 +253,7 @@ def summarize(job: Job, n: int) -> tuple[dict, list[dict]] | None:
         return None  # not finished, or no step-0 validation (skipped on a timeout): no baseline for a gain
     start = min(r["time"] for r in rows if "time" in r)
     curve = [{"cell": job.cell, "seed": job.seed, "step": r["step"], "minutes": (r["time"] - start) / 60,
-              "samples": steps[r["step"]]["queue/received"] * n if r["step"] in steps else 0.0,
+              "samples": steps[r["step"]]["replay/received"] * n if r["step"] in steps else 0.0,
               "avg_at_k": r["val/avg_at_k"]} for r in rows if "val/avg_at_k" in r]
     total = next(r for r in rows if "time/total_s" in r)
     run = {"cell": job.cell, "seed": job.seed, "steps": max(steps), "avg_at_k_0": curve[0]["avg_at_k"],
@@ -354,14 +353,12 @@ def report(args, preset: Preset, jobs: list[Job], n: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__file__, __doc__, config="configs/tiny_cpu.yaml")
     ap.add_argument("--study", choices=sorted(STUDIES), required=True)
     ap.add_argument("--preset", choices=["quick", "full", "grid"], default="full")
     ap.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
-    ap.add_argument("--config", default="configs/tiny_cpu.yaml")
     ap.add_argument("--seeds", type=int, nargs="+", help="RL seeds (default: the preset's)")
     ap.add_argument("--cells", nargs="+", help="run only these cells of the preset (default: all, in order)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C")
     ap.add_argument("--out", type=Path, default=Path("runs/ablate"))
     ap.add_argument("--address", help="Ray cluster (job API address, e.g. http://HEAD:8265): submit runs as jobs")
     ap.add_argument("--max-jobs", type=int, default=4, help="with --address: jobs running at once")
@@ -381,8 +378,6 @@ def main() -> None:
         for cell in preset.cells:
             print(f"{cell}: {' '.join(cells(64)[cell])}")
         return
-    from async_dapo.config import load_config
-
     base = load_config(args.config, [*VAL, *preset.extra, *args.overrides])  # a bad override fails here
     cells = cells(base.algorithm.train_batch_groups)
     model = (args.out / args.study / "model").resolve() if args.report else build_model(args, preset)

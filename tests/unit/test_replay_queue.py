@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from async_dapo.config import load_config
-from async_dapo.replay_service import ReplayService
+from async_dapo.replay_queue import ReplayQueue
 from async_dapo.transport import GroupSender
 from async_dapo.wire import Group, Sample
 
@@ -86,7 +86,7 @@ async def _until(pred, timeout=5.0):
 
 def test_admission_blocks_until_version_advances_and_batches_flow(cfg):
     async def scenario():
-        svc = ReplayService(cfg)
+        svc = ReplayQueue(cfg)
         sender = await _connected(svc)
         cond = await _observed(svc)
         try:
@@ -125,7 +125,7 @@ async def _stat(svc, key, value):
 
 def test_all_correct_group_retires_its_prompt_and_a_fully_retired_cursor_stops_the_run():
     async def scenario():
-        svc = ReplayService(_cfg("algorithm.dynamic_sampling.retire_solved_after=1", "data.synthetic.levels=[1]"))
+        svc = ReplayQueue(_cfg("algorithm.dynamic_sampling.retire_solved_after=1", "data.synthetic.levels=[1]"))
         sender = await _connected(svc)
         try:
             solved, mixed = await svc.admit(0, 10)
@@ -157,7 +157,7 @@ def test_all_correct_group_retires_its_prompt_and_a_fully_retired_cursor_stops_t
 
 def test_unsigned_group_is_rejected_and_not_counted_as_arrival(cfg):
     async def scenario():
-        svc = ReplayService(cfg)
+        svc = ReplayQueue(cfg)
         foreign = GroupSender(await svc.address())  # no secret: a well-formed group from outside the run
         try:
             tickets = await svc.admit(0, 10)
@@ -174,7 +174,7 @@ def test_unsigned_group_is_rejected_and_not_counted_as_arrival(cfg):
 
 def test_abandoned_group_frees_its_slot_and_returns_its_prompt_at_eta_0(cfg):
     async def scenario():
-        svc = ReplayService(cfg)
+        svc = ReplayQueue(cfg)
         sender = await _connected(svc)
         try:
             a, b = await svc.admit(0, 10)
@@ -201,7 +201,7 @@ def test_abandoned_group_frees_its_slot_and_returns_its_prompt_at_eta_0(cfg):
 
 def test_tickets_expire_after_their_ttl(cfg):
     async def scenario():
-        svc = ReplayService(_cfg("replay.ticket_ttl_s=1.5", "rollout.request_timeout_s=1"))
+        svc = ReplayQueue(_cfg("replay.ticket_ttl_s=1.5", "rollout.request_timeout_s=1"))
         try:
             first = await svc.admit(0, 10)
             assert len(first) == 2 and await svc.admit(0, 10, wait_s=0.1) == []
@@ -216,7 +216,7 @@ def test_tickets_expire_after_their_ttl(cfg):
 
 def test_release_engine_returns_only_that_engines_prompts(cfg):
     async def scenario():
-        svc = ReplayService(_cfg("algorithm.train_batch_groups=4", "learner.mini_batch_groups=4",
+        svc = ReplayQueue(_cfg("algorithm.train_batch_groups=4", "learner.mini_batch_groups=4",
                                  "replay.capacity_groups=8"))
         try:
             mine = await svc.admit(1, 3)
@@ -235,7 +235,7 @@ def test_release_engine_returns_only_that_engines_prompts(cfg):
 
 def test_get_batch_reports_when_dynamic_sampling_cannot_fill_a_batch():
     async def scenario():
-        svc = ReplayService(_cfg("replay.capacity_groups=8", "algorithm.dynamic_sampling.max_gen_rounds=2"))
+        svc = ReplayQueue(_cfg("replay.capacity_groups=8", "algorithm.dynamic_sampling.max_gen_rounds=2"))
         sender = await _connected(svc)
         try:
             empty = await svc.get_batch(wait_s=0.1)
@@ -257,13 +257,13 @@ def test_get_batch_reports_when_dynamic_sampling_cannot_fill_a_batch():
 
 def test_checkpoint_gives_untrained_prompts_back(cfg):
     async def scenario():
-        svc = ReplayService(cfg)
+        svc = ReplayQueue(cfg)
         try:
             tickets = await svc.admit(0, 10)
             state = await svc.state_dict()
             expected = sorted((t[1], t[2]) for t in tickets)
             assert sorted(tuple(t) for t in state["cursor"]["pending"]) == expected
-            fresh = ReplayService(cfg)
+            fresh = ReplayQueue(cfg)
             await fresh.load_state_dict(state)
             assert [(t[1], t[2]) for t in await fresh.admit(0, 2)] == expected
             await fresh.close()
@@ -280,7 +280,7 @@ def test_resume_restores_the_uninterrupted_admission_window_without_a_burst():
     batches trained so far, and the prompts that were queued or running come back through the cursor."""
     async def scenario():
         cfg = _cfg("replay.max_staleness=1", "replay.capacity_groups=8")
-        run = ReplayService(cfg)
+        run = ReplayQueue(cfg)
         sender = await _connected(run)
         try:
             for version in (1, 2, 3):  # three steps: fill, train one batch, push the next version
@@ -292,7 +292,7 @@ def test_resume_restores_the_uninterrupted_admission_window_without_a_burst():
             running = await run.admit(0, 3)  # some prompts in flight at the checkpoint
             before = await run.stats()
             state = await run.state_dict()
-            resumed = ReplayService(cfg, initial_version=3)
+            resumed = ReplayQueue(cfg, initial_version=3)
             await resumed.load_state_dict(state)
             after = await resumed.stats()
             assert before["admission_limit"] - before["handed_out"] == after["admission_limit"] == 4
@@ -313,7 +313,7 @@ def test_a_released_producer_cannot_admit_again(cfg):
     """A dead rollout actor's admit call may still be waiting in the queue when the supervisor releases
     its prompts; when it wakes it must not take tickets that nobody will ever produce."""
     async def scenario():
-        svc = ReplayService(cfg)
+        svc = ReplayQueue(cfg)
         cond = await _observed(svc)
         try:
             await svc.register_producer(0, "old")

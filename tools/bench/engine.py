@@ -1,33 +1,31 @@
 """Measure the SGLang engine on the configured device: start time, and generation tokens/s for
 P prompts x T new tokens (EOS ignored so every request really makes T tokens).
 
-    python tools/bench_engine.py --config configs/tiny_cpu.yaml [--prompts 32 --tokens 64 --repeats 3]
+    python tools/bench/engine.py --config configs/tiny_cpu.yaml [--prompts 32 --tokens 64 --repeats 3]
+
+Prints one JSON line: engine_start_s, prompts, new_tokens, tok_per_s_runs, tok_per_s_median.
 """
 
-import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
-from async_dapo.bootstrap import bootstrap
-from async_dapo.config import load_config
-from async_dapo.data import encode_prompt, synthetic_rows
-from async_dapo.device import pin_threads
-from async_dapo.engine import start_engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+import common  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap = common.parser(__file__, __doc__, config=True)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    if cfg.model.bootstrap is not None:
-        bootstrap(cfg)
-    pin_threads(1)
+    cfg = common.load_model(args)
     from transformers import AutoTokenizer
+
+    from async_dapo.data import encode_prompt, synthetic_rows
+    from async_dapo.engine import start_engine
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     rows = synthetic_rows("val", args.prompts, levels=[1, 2, 3, 4], heldout_fraction=0.1, seed=0)

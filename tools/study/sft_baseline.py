@@ -1,7 +1,7 @@
 """Continued-SFT baseline to put beside an RL run: what the supervised warm start reaches if it simply
 keeps going, on the same held-out prompts and with the same validation sampling.
 
-    python tools/sft_baseline.py --config configs/tiny_cpu.yaml [--set a.b=c ...] [--extra 600 --every 100]
+    python tools/study/sft_baseline.py --config configs/tiny_cpu.yaml [--set a.b=c ...] [--extra 600 --every 100]
 
 Rebuilds the warm start of ``model.bootstrap`` in this process up to the step the cached model stopped at
 (its bootstrap.json; deterministic on one machine: the same weights), then continues the same run, same
@@ -12,13 +12,17 @@ SFT seconds since the warm start (evaluation excluded), avg@k, and avg@k per lev
 One process, one thread. SFT sees the reference answers; RL sees only the reward.
 """
 
-import argparse
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+import common  # noqa: E402
 
 
 def avg_at_k(model, tokenizer, rows, cfg, seed: int) -> tuple[float, dict[str, float]]:
+    import torch
+
     from async_dapo.bootstrap import complete
     from async_dapo.evaluate import result_scores, val_metrics
     from async_dapo.reward import load_score_fn
@@ -36,21 +40,20 @@ def avg_at_k(model, tokenizer, rows, cfg, seed: int) -> tuple[float, dict[str, f
 
 
 def main() -> None:
-    from async_dapo.bootstrap import bootstrap, supervised_warm_start, untrained
-    from async_dapo.config import load_config
-    from async_dapo.data import val_rows
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap = common.parser(__file__, __doc__, config=True)
     ap.add_argument("--extra", type=int, default=600, help="SFT steps past the warm start")
     ap.add_argument("--every", type=int, default=100, help="evaluate every this many extra steps")
     args = ap.parse_args()
-    cfg = load_config(args.config, args.overrides)
+    cfg = common.load(args)
     tc = cfg.model.bootstrap
     if tc is None:
         ap.error("model.bootstrap is null: this baseline continues the tiny model's supervised warm start")
-    stop = bootstrap(cfg).sft_steps  # where the warm start stopped (its target, or sft_steps)
+    import torch
+
+    from async_dapo.bootstrap import supervised_warm_start, untrained
+    from async_dapo.data import val_rows
+
+    stop = common.bootstrap_model(cfg).sft_steps  # where the warm start stopped (its target, or sft_steps)
     torch.set_num_threads(1)
     tokenizer, model, train = untrained(cfg)
     rows = val_rows(cfg)

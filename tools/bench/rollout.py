@@ -1,7 +1,7 @@
 """One CPU rollout actor (Ray + SGLang + scoring + zmq + replay queue) versus the bare SGLang engine on
 the same prompts, both continuously batched, measured in one run; then the weight-update time of the actor.
 
-    python tools/bench_rollout.py --config configs/tiny_cpu.yaml [--groups 32 --repeats 3 --window 10 --pushes 5]
+    python tools/bench/rollout.py --config configs/tiny_cpu.yaml [--groups 32 --repeats 3 --window 10 --pushes 5]
 
 Both generation phases keep exactly ``--groups`` prompts in flight, each prompt being one batch request of
 G = rollout.n (``input_ids``, the actor's sampling parameters, token logprobs on), and start the next
@@ -24,27 +24,30 @@ the bare engine at equal concurrency and batching style (1.0 = none); they are t
 a noisy machine, the absolute rates are not.
 """
 
-import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+import common  # noqa: E402
 
 
 def _prompt_stream(cfg, tok):
     """Prompt token ids in the replay queue's order (its cursor over train_rows), each cut as the actor
-    cuts it (``_Session._fit``: left truncation keeps the last ``data.max_prompt_length`` tokens)."""
-    from async_dapo.data import encode_prompt
-    from async_dapo.data import PromptCursor, train_rows
+    cuts it (``rollout.fit_prompt``)."""
+    from async_dapo.data import PromptCursor, encode_prompt, train_rows
+    from async_dapo.rollout import fit_prompt
 
     rows = train_rows(cfg)
     cursor = PromptCursor(len(rows), seed=cfg.data.shuffle_seed)
-    limit, cache = cfg.data.max_prompt_length, {}
+    cache = {}
     while True:
         (_, i), = cursor.take(1)
         if i not in cache:
-            ids = encode_prompt(tok, rows[i])
-            cache[i] = ids[-limit:] if len(ids) > limit else ids
+            cache[i] = fit_prompt(cfg, encode_prompt(tok, rows[i]), i)
         yield cache[i]
 
 
@@ -55,7 +58,7 @@ async def _bare_loop(engine, prompts, n, params, inflight, warmup_groups, repeat
     warm = asyncio.Event()
 
     async def group(prompt):
-        # One batch request of n, as the actor sends a group (async_dapo.rollout._Session.sample_n).
+        # One batch request of n, as the actor sends a group (async_dapo.rollout.EngineSession.sample_n).
         outs = await engine.async_generate(input_ids=[list(prompt)] * n, sampling_params=dict(params),
                                            return_logprob=True)
         done["groups"] += 1
@@ -113,7 +116,7 @@ def _bare(cfg, prompts, params, inflight, repeats, window_s):
 def _actor(cfg, inflight, repeats, pushes, window_s):
     import ray
 
-    from async_dapo.replay_service import replay_actor_class
+    from async_dapo.replay_queue import replay_actor_class
     from async_dapo.rollout import rollout_actor_class
     from async_dapo.weight_sync import broadcast_bucket, free_port, open_update_group, plan_buckets
 
@@ -166,33 +169,25 @@ def _actor(cfg, inflight, repeats, pushes, window_s):
 
 
 def main() -> None:
-    from async_dapo.bootstrap import bootstrap
-    from async_dapo.config import load_config
-    from async_dapo.device import pin_threads
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap = common.parser(__file__, __doc__, config=True)
     ap.add_argument("--groups", type=int, default=32, help="prompts in flight in both phases")
     ap.add_argument("--repeats", type=int, default=3, help="measurement windows per phase")
     ap.add_argument("--pushes", type=int, default=5)
     ap.add_argument("--window", type=float, default=10.0, help="seconds per measurement window (both phases)")
     args = ap.parse_args()
     k = args.groups
-    cfg = load_config(args.config, args.overrides + [
+    cfg = common.load_model(args, [
         f"algorithm.train_batch_groups={k}", f"learner.mini_batch_groups={k}", "replay.max_staleness=100",
         f"replay.capacity_groups={101 * k}", "algorithm.dynamic_sampling.enable=false",
         f"rollout.max_inflight_prompts={k}",
     ])
-    if cfg.model.bootstrap is not None:
-        bootstrap(cfg)
-    pin_threads(1)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    from async_dapo.rollout import sampling_params
+
     r = cfg.rollout
-    # The actor's _Session._sampling_params.
-    params = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length}
+    params = sampling_params(cfg)  # the actor's
     bare = _bare(cfg, _prompt_stream(cfg, tok), params, k, args.repeats, args.window)
     actor, push, nbytes = _actor(cfg, k, args.repeats, args.pushes, args.window)
 

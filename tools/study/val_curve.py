@@ -1,15 +1,18 @@
 """The validation curve of a run, as a Markdown table: one row per validation, read from
 RUN_DIR/metrics.jsonl (what ``async-dapo train`` writes next to TensorBoard).
 
-    python tools/val_curve.py RUN_DIR [RUN_DIR ...]
+    python tools/study/val_curve.py RUN_DIR [RUN_DIR ...]
 
 Columns: step, minutes since the run's first metrics record, val avg@k / pass@k / maj@k, the change of
 avg@k since the first validation, and avg@k per subset (level or data source) when the run logged them.
 """
 
-import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+import common  # noqa: E402
 
 PREFIX = "val/avg_at_k/"
 
@@ -39,8 +42,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dirs", nargs="+", type=Path)
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="a run's logging.run_dir")
     for run_dir in ap.parse_args().run_dirs:
         print(f"{run_dir}\n\n{table(val_rows(run_dir))}\n")
 
