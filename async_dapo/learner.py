@@ -36,10 +36,11 @@ import torch.distributed as dist
 from async_dapo import rank_state
 from async_dapo.batching import MicroBatch, PlannedMiniBatch, plan_step
 from async_dapo.config import Config
-from async_dapo.device import dist_backend, learner_backend, local_gpu_index, pin_threads, seed_everything
+from async_dapo.device import learner_backend, local_gpu_index, pin_threads, seed_everything
 from async_dapo.loss import entropy_and_token_prob, importance_weights, policy_loss, token_logprobs
 from async_dapo.shards import load_local_shards, materialize, params_on_meta
 from async_dapo.weight_sync import WeightSender, sglang_name
+
 
 def learner_device(cfg: Config) -> str:
     return "cuda" if cfg.placement.learner_gpus > 0 else "cpu"
@@ -291,8 +292,7 @@ class LearnerWorker:
         """Rank 0 only: become rank 0 of the weight-update group ``group_name`` (engines join concurrently)
         and push in the engines' weight ``dtype`` (None = rollout.engine.dtype as this rank's device would
         resolve it, for direct drivers and tests). An earlier group is closed first."""
-        self.weights.open(master_addr, master_port, world_size, group_name, dtype,
-                          dist_backend(self.device, self.cfg.weight_sync.backend))
+        self.weights.open(master_addr, master_port, world_size, group_name, dtype)
 
     def close_weight_group(self) -> None:
         self.weights.close()

@@ -59,8 +59,7 @@ class Run:
     def __init__(self, cfg: Config, resume: Path | None, clock: PhaseClock | None = None) -> None:
         self.cfg, self.resume = cfg, resume
         self.clock = clock or PhaseClock()
-        self.run_dir = Path(cfg.logging.run_dir)
-        self.dir = RunDir(self.run_dir)
+        self.dir = RunDir(Path(cfg.logging.run_dir))
         self.step, self.version = 0, 0
         self._started_ray = False
         self._ray_park = None  # set it to let connect_ray's parked thread end
@@ -91,7 +90,7 @@ class Run:
             raise RunFailed(f"{exc}; last checkpoint: {self.last_checkpoint()}") from None
 
     def last_checkpoint(self) -> str:
-        return checkpoints.last_checkpoint(self.run_dir)
+        return checkpoints.last_checkpoint(self.dir.path)
 
     @staticmethod
     def _on_sigterm(signum, frame) -> None:
@@ -111,8 +110,8 @@ class Run:
             check_reward_function(cfg)  # before anything starts: a bad config costs seconds, not a cluster
             check_prompts(cfg)
         # (the CLI archives before it opens run_dir/train.log; this covers callers of train() itself)
-        if self.resume is None and (moved := checkpoints.archive_previous_run(self.run_dir)) is not None:
-            log.info("run_dir %s held an earlier run: moved it to %s", self.run_dir, moved)
+        if self.resume is None and (moved := checkpoints.archive_previous_run(self.dir.path)) is not None:
+            log.info("run_dir %s held an earlier run: moved it to %s", self.dir.path, moved)
         dump_config(cfg, self.dir.config)
         if not ray.is_initialized():
             with self.clock.phase("ray_start"):
@@ -128,7 +127,7 @@ class Run:
             self.placed = place(cfg, initial_version=self.version)
         self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, on_replace=self._write_actors,
                                            clock=self.clock)
-        self.metrics = MetricsWriter(self.run_dir, cfg.logging.tensorboard,
+        self.metrics = MetricsWriter(self.dir.path, cfg.logging.tensorboard,
                                      purge_step=self.step + 1 if self.resume is not None else None)
         with self.clock.phase("placement"):
             if self.resume is not None:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
+from async_dapo.device import dist_backend, engine_dtype, learner_backend
 from async_dapo.shards import snapshot, unpad
 from async_dapo.supervise import RunFailed
 
@@ -207,8 +208,6 @@ class WeightSender:
     gathers by learner.collective_timeout_s, broadcasts and the engines' answer by weight_sync.timeout_s."""
 
     def __init__(self, cfg, rank: int, world: int, device: str, timeout: datetime.timedelta) -> None:
-        from async_dapo.device import learner_backend
-
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self._gather_pg = dist.new_group(backend=learner_backend(device), timeout=timeout)
         self._stream = torch.cuda.Stream() if device == "cuda" else None
@@ -220,13 +219,13 @@ class WeightSender:
         self._state: dict[str, Any] = {}
         self._result: dict[str, Any] = {}
 
-    def open(self, master_addr: str, master_port: int, world_size: int, name: str, dtype: str | None,
-             backend: str) -> None:
+    def open(self, master_addr: str, master_port: int, world_size: int, name: str, dtype: str | None) -> None:
         """Rank 0: become rank 0 of group ``name`` (engines join concurrently) and push in ``dtype`` (None:
         rollout.engine.dtype as this rank's device resolves it). An earlier group is closed first."""
         self.close()
-        self._pg = open_update_group(master_addr, master_port, world_size, name, backend,
-                                     self.cfg.weight_sync.timeout_s)
+        ws = self.cfg.weight_sync
+        self._pg = open_update_group(master_addr, master_port, world_size, name,
+                                     dist_backend(self.device, ws.backend), ws.timeout_s)
         self._group_name = name
         self._dtype = getattr(torch, dtype) if dtype else None
 
@@ -296,8 +295,6 @@ class WeightSender:
 
     def _plan(self, params) -> tuple[list[Bucket], dict[str, torch.Tensor]]:
         """The buckets (engine names, dtype, full shapes) and each parameter by engine name."""
-        from async_dapo.device import engine_dtype
-
         dtype = self._dtype or getattr(torch, engine_dtype(self.device, self.cfg.rollout.engine.dtype))
         by_name = {sglang_name(n): p for n, p in params}
         meta = [(n, dtype, tuple(p.shape)) for n, p in by_name.items()]
