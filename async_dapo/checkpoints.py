@@ -8,7 +8,9 @@ Layout::
     <run_dir>/config.yaml          the resolved config of the run
     <run_dir>/train.log            every log line and, on a failure, the traceback
     <run_dir>/prompts.jsonl        the (epoch, prompt index) pairs each step trained on
-    <run_dir>/actors.json          process ids of the run's actors, rewritten after a replacement
+    <run_dir>/actors.json          process ids of the run's actors, rewritten when the engines change
+    <run_dir>/fleet.jsonl          the rollout fleet's events: engines failed, replaced, added, removed
+    <run_dir>/scale.json           ``async-dapo scale``: the number of engines asked for (read by the run)
     <run_dir>/batches/step_N.bin   logging.record_batches: each step's groups (wire encoding)
     <run_dir>/hf/                  checkpoint.export_hf: the final policy in HF format
     <run_dir>/checkpoints/step_N/  DCP shards, extra_rank<r>.json (async_dapo.rank_state), replay.json, meta.json
@@ -50,6 +52,19 @@ class RunDir:
     @property
     def actors(self) -> Path:
         return self.path / "actors.json"
+
+    @property
+    def fleet(self) -> Path:
+        return self.path / "fleet.jsonl"
+
+    @property
+    def scale(self) -> Path:
+        return self.path / "scale.json"
+
+    def drop_scale_request(self) -> None:
+        """A scale request is for the run that was running when it was made; a new or resumed run starts
+        with placement.num_engines."""
+        self.scale.unlink(missing_ok=True)
 
     @property
     def hf(self) -> Path:

@@ -1,4 +1,4 @@
-"""``async-dapo`` command line: bootstrap | eval | train.
+"""``async-dapo`` command line: bootstrap | eval | train | scale.
 
 Config errors print one line (``error: <dotted.key>: <problem>``) and exit 2; a run that cannot go on (a dead
 learner rank, restarts exhausted, a batch that cannot be filled, silence, and any other exception in the
@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                             help="continue the run in RUN_DIR from its latest checkpoint "
                                  "(or from RUN_DIR/checkpoints/step_N)")
+    sp = sub.add_parser("scale", help="ask a running run for N rollout engines (added or removed while it trains)")
+    sp.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running run's logging.run_dir")
+    sp.add_argument("--engines", type=_positive, required=True, metavar="N",
+                    help="rollout engines wanted, 1 .. placement.max_engines of the run")
     return p
 
 
@@ -93,6 +97,27 @@ def _eval(cfg: Config, repeats: int = 1) -> None:
     if repeats > 1:
         log.info("avg@%d over %d validations of the same weights: mean %.4f, sd %.4f, range %.4f-%.4f",
                  k, repeats, statistics.mean(avgs), statistics.stdev(avgs), min(avgs), max(avgs))
+
+
+def _scale(run_dir: Path, engines: int) -> int:
+    """Write RUN_DIR/scale.json; the run's supervisor applies it at its next round (async_dapo.supervise)."""
+    from async_dapo.checkpoints import RunDir
+    from async_dapo.metrics import write_atomic
+    from async_dapo.supervise import scale_target
+
+    rd = RunDir(run_dir)
+    if not rd.config.exists():
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no config.yaml)")
+    request = json.dumps({"engines": engines, "asked_at": time.time()})
+    try:
+        scale_target(load_config(rd.config), request)
+    except ValueError as exc:
+        raise ConfigError(f"--engines: {exc}") from None
+    write_atomic(rd.scale, request)
+    serving = len(json.loads(rd.actors.read_text()).get("rollout", {})) if rd.actors.exists() else 0
+    log.info("asked %s for %d rollout engine(s) (%d serving now); the run logs each change and records it in %s",
+             run_dir, engines, serving, rd.fleet)
+    return 0
 
 
 def train_run_dir(cfg: Config, resume: Path | None) -> Config:
@@ -198,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     cfg = None
     try:
+        if args.command == "scale":
+            return _scale(args.run_dir, args.engines)
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             cfg = train_run_dir(cfg, args.resume)

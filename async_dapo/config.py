@@ -433,7 +433,17 @@ class PlacementConfig(_Section):
         "must name an absolute logging.run_dir on storage every node shares and a transport.bind_host other "
         "nodes can reach; a placement that lands on more nodes than this stops the run at start.",
     )
-    num_engines: int = Field(1, ge=1, description="Rollout actors (one SGLang engine each).")
+    num_engines: int = Field(1, ge=1, description="Rollout actors (one SGLang engine each) at the start.")
+    max_engines: int | None = Field(
+        None, ge=1, description="Most rollout actors the run may be scaled to while it runs (``async-dapo scale "
+        "RUN_DIR --engines N``); None = placement.num_engines. It sizes the replay queue's receiver (transport."
+        "max_peers None = 2 x this).",
+    )
+    autoscaling: bool = Field(
+        False, description="The cluster adds nodes on demand (a Ray autoscaler): a placement larger than the "
+        "cluster waits for them, reporting every minute, for at most placement.start_timeout_s. False: it "
+        "stops the run at once, naming the fields and the cluster's resources.",
+    )
     engine_cpus: float = Field(1, gt=0, description="CPUs per rollout actor.")
     engine_gpus: int = Field(
         0, ge=0, description="GPUs per rollout actor: rollout.engine.tp_size on cuda, 0 on cpu (auto: "
@@ -565,6 +575,11 @@ RECEIVE_MAX_HWM = 100  # messages per peer; more would add latency, not throughp
 RECEIVE_DEFAULT_BUDGET_BYTES = 4 * 1024**3  # transport.receive_budget_bytes None: at least this
 
 
+def engine_ceiling(cfg: "Config") -> int:
+    """The most rollout actors the run may have at once: placement.max_engines, else num_engines."""
+    return cfg.placement.max_engines or cfg.placement.num_engines
+
+
 def receive_hard_cap(max_message_bytes: int, tag_bytes: int = RECEIVE_TAG_BYTES) -> int:
     """zmq MAXMSGSIZE of the receiver: room to receive and count a message somewhat over the limit
     (instead of cutting the connection), plus the tag; zmq drops the connection on a larger one."""
@@ -572,7 +587,8 @@ def receive_hard_cap(max_message_bytes: int, tag_bytes: int = RECEIVE_TAG_BYTES)
 
 
 def receive_max_peers(max_peers: int | None, num_engines: int) -> int:
-    """transport.max_peers resolved: None = 2 x placement.num_engines."""
+    """transport.max_peers resolved: None = 2 x ``num_engines`` (the most engines the run may have,
+    :func:`engine_ceiling`)."""
     return max_peers or 2 * num_engines
 
 
@@ -773,24 +789,42 @@ def rule_multi_node_run_dir_shared(cfg: Config) -> None:
 
 def rule_multi_node_bind_reachable(cfg: Config) -> None:
     """Rollout actors on other nodes connect to the replay queue's bind address."""
-    if cfg.placement.nnodes > 1 and cfg.transport.bind_host in LOOPBACK_HOSTS:
+    import ipaddress
+
+    # Any loopback address, not only the LOOPBACK_HOSTS spellings: all of 127.0.0.0/8 (e.g. the 127.0.1.1 that
+    # Debian's /etc/hosts gives the host name) and ::1 however written.
+    host = cfg.transport.bind_host
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        loopback = (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+    except ValueError:  # a host name
+        loopback = host.lower() in LOOPBACK_HOSTS
+    if cfg.placement.nnodes > 1 and loopback:
         raise ValueError(
-            f"transport.bind_host ({cfg.transport.bind_host}) must be an interface other nodes reach (e.g. 0.0.0.0 "
-            "or this node's address) when placement.nnodes > 1"
+            f"transport.bind_host ({host}) must be an interface other nodes reach (e.g. 0.0.0.0 or the address of "
+            "the driver's node, where the replay queue runs) when placement.nnodes > 1"
         )
 
 
 def rule_receive_budget_fits_peers(cfg: Config) -> None:
     """The receiver's zmq buffers must hold, per admitted peer, one queued message plus its extras."""
     t = cfg.transport
-    peers, cap = receive_max_peers(t.max_peers, cfg.placement.num_engines), receive_hard_cap(t.max_message_bytes)
+    peers, cap = receive_max_peers(t.max_peers, engine_ceiling(cfg)), receive_hard_cap(t.max_message_bytes)
     if t.receive_budget_bytes is not None and receive_hwm(t.receive_budget_bytes, peers, cap) < 1:
         raise ValueError(
             f"transport.receive_budget_bytes ({t.receive_budget_bytes}) must be >= {receive_min_budget(peers, cap)} "
             f"= (4 x transport.max_peers {peers} + 1) x hard cap {cap} (from transport.max_message_bytes "
-            f"{t.max_message_bytes}; max_peers None = 2 x placement.num_engines): per admitted peer one queued "
+            f"{t.max_message_bytes}; max_peers None = 2 x placement.max_engines): per admitted peer one queued "
             "message, one being decoded and its handshake properties"
         )
+
+
+def rule_engine_ceiling_holds_start(cfg: Config) -> None:
+    """A run cannot start with more engines than it may ever have."""
+    pl = cfg.placement
+    if pl.max_engines is not None and pl.max_engines < pl.num_engines:
+        raise ValueError(f"placement.max_engines ({pl.max_engines}) must be >= placement.num_engines "
+                         f"({pl.num_engines})")
 
 
 # The order is the order the rules are checked in (the first broken one is reported): the data flow of the
@@ -814,6 +848,7 @@ CROSS_FIELD_RULES = (
     rule_ticket_outlives_request,
     rule_multi_node_run_dir_shared,
     rule_multi_node_bind_reachable,
+    rule_engine_ceiling_holds_start,
     rule_receive_budget_fits_peers,
 )
 

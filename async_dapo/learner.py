@@ -39,7 +39,7 @@ from async_dapo.config import Config
 from async_dapo.device import learner_backend, local_gpu_index, pin_threads, seed_everything
 from async_dapo.loss import entropy_and_token_prob, importance_weights, policy_loss, token_logprobs
 from async_dapo.shards import load_local_shards, materialize, params_on_meta
-from async_dapo.weight_sync import WeightSender, sglang_name
+from async_dapo.weight_sync import WeightSender, rendezvous_endpoint, sglang_name
 
 
 def learner_device(cfg: Config) -> str:
@@ -296,6 +296,11 @@ class LearnerWorker:
 
     def close_weight_group(self) -> None:
         self.weights.close()
+
+    def weight_group_endpoint(self) -> tuple[str, int]:
+        """Rank 0: (host, free port) on this node for the next weight group's rendezvous (asked of the
+        rank itself, which is up, rather than of a new Ray task, whose worker would first import torch)."""
+        return rendezvous_endpoint(self.cfg.transport.bind_host)
 
     def push_weights(self, engines: list, on_loaded=None, version: int | None = None) -> dict[str, float]:
         """Stream the current weights (``version``, default this rank's) to ``engines``; every rank must

@@ -39,7 +39,8 @@ _REPLAY_TAGS = {
     "running": "replay/running", "abandoned": "replay/abandoned", "rejected_auth": "replay/rejected_auth",
     "rejected_unexpected": "replay/rejected_unexpected", "rejected_peers": "replay/rejected_peers",
     "retired_prompts": "replay/retired_prompts", "skipped_retired": "replay/skipped_retired",
-    "quarantined_prompts": "replay/quarantined_prompts",
+    "quarantined_prompts": "replay/quarantined_prompts", "admitted": "replay/admitted",
+    "handed_out": "replay/handed_out", "dropped_capacity": "replay/dropped_capacity",
 }
 
 
@@ -73,6 +74,30 @@ def batch_metrics(groups: list[Group], trained_version: int) -> dict[str, float]
             float(s.versions.size > 0 and s.versions.min() != s.versions.max()) for s in samples),
     })
     return out
+
+
+def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
+                  batch: list[Group]) -> tuple[dict[str, float], dict[str, float]]:
+    """(each engine's tags ``rollout/<rank>/...``, the fleet's totals ``gen_tokens_per_s`` and
+    ``rollout_idle_ratio`` for step_metrics' timing) between two snapshots of the serving engines' counters
+    ``dt`` seconds apart (rank -> RolloutWorker.get_stats). An engine absent from ``before``, or another process
+    under the same rank (a replacement), counts from zero. ``batch_share``: the fraction of this step's groups
+    that engine produced (also for a rank that has left since)."""
+    dt = max(dt, 1e-9)
+    share = {g.engine_rank for g in batch} | set(now)
+    out = {f"rollout/{r}/batch_share": sum(g.engine_rank == r for g in batch) / max(len(batch), 1) for r in share}
+    tokens = idle = 0.0
+    for rank, s in now.items():
+        b = before.get(rank)
+        if b is None or b.get("pid") != s.get("pid"):
+            b = {"gen_tokens": 0, "idle_seconds": 0.0, "groups_sent": 0}
+        d_tok, d_idle = max(0, s["gen_tokens"] - b["gen_tokens"]), max(0.0, s["idle_seconds"] - b["idle_seconds"])
+        tokens, idle = tokens + d_tok, idle + d_idle
+        out.update({f"rollout/{rank}/gen_tokens_per_s": d_tok / dt,
+                    f"rollout/{rank}/groups_per_s": max(0, s["groups_sent"] - b["groups_sent"]) / dt,
+                    f"rollout/{rank}/idle_ratio": min(1.0, d_idle / dt), f"rollout/{rank}/version": float(s["version"])})
+    out["rollout/engines"] = float(len(now))
+    return out, {"gen_tokens_per_s": tokens / dt, "rollout_idle_ratio": min(1.0, idle / dt / max(len(now), 1))}
 
 
 def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,

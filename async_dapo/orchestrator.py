@@ -5,8 +5,10 @@ One code path serves every mode. η = ``replay.max_staleness`` alone decides how
 η = 0 is synchronous (the queue admits the next batch's prompts only once the engines run the newest
 weights), η = 1 overlaps one step, larger η is fully asynchronous with that bound.
 
-Faults (docs/reliability.md): while it waits for a batch the orchestrator heartbeats the rollout actors and
-replaces a dead or hung one (async_dapo.supervise); a dead learner rank, a queue that cannot fill a batch,
+Faults and the fleet (docs/reliability.md): while it waits for a batch (and for a push) the orchestrator lets
+the supervisor (async_dapo.supervise) heartbeat the rollout actors, take a dead or hung one out, bring its
+replacement (or an engine added with ``async-dapo scale``) in, all in the background: training goes on
+with the other engines' groups. A dead learner rank, a queue that cannot fill a batch,
 or silence past ``replay.silence_timeout_s`` stops the run with one line naming what failed and the last
 checkpoint (:class:`~async_dapo.supervise.RunFailed`). Where things live on disk, which checkpoint a resume
 continues from and what it rewinds is async_dapo.checkpoints.
@@ -27,7 +29,7 @@ from async_dapo.config import Config, dump_config
 from async_dapo.data import val_rows
 from async_dapo.evaluate import merge_parts, split_rows, val_sampling_params
 from async_dapo.metrics import (
-    MetricsWriter, PhaseClock, progress_line, step_metrics, timed, val_subsets_line, write_atomic,
+    MetricsWriter, PhaseClock, fleet_metrics, progress_line, step_metrics, timed, val_subsets_line, write_atomic,
 )
 from async_dapo.wire import read_groups, write_groups
 from async_dapo.supervise import ActorDied, EngineSupervisor, RunFailed, WaitExpired
@@ -63,7 +65,7 @@ class Run:
         self.step, self.version = 0, 0
         self._started_ray = False
         self._ray_park = None  # set it to let connect_ray's parked thread end
-        self._last: dict[str, Any] = {"gen_tokens": 0, "idle": 0.0, "t": time.perf_counter()}
+        self._last: dict[str, Any] = {"engines": {}, "t": time.perf_counter()}  # the engines' previous counters
         self._t_start = time.perf_counter()
         self._steps_done = 0
         self._push_failed_before = False
@@ -113,6 +115,7 @@ class Run:
         if self.resume is None and (moved := checkpoints.archive_previous_run(self.dir.path)) is not None:
             log.info("run_dir %s held an earlier run: moved it to %s", self.dir.path, moved)
         dump_config(cfg, self.dir.config)
+        self.dir.drop_scale_request()
         if not ray.is_initialized():
             with self.clock.phase("ray_start"):
                 self._ray_park = connect_ray(cfg)
@@ -125,8 +128,8 @@ class Run:
             checkpoints.rewind_to(self.dir, self.step)  # the killed run's steps after the checkpoint
         with self.clock.phase("placement"):
             self.placed = place(cfg, initial_version=self.version)
-        self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, on_replace=self._write_actors,
-                                           clock=self.clock)
+        self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, self._push_now, self.placed.wait_push,
+                                           on_change=self._write_actors, clock=self.clock, run_dir=self.dir)
         self.metrics = MetricsWriter(self.dir.path, cfg.logging.tensorboard,
                                      purge_step=self.step + 1 if self.resume is not None else None)
         with self.clock.phase("placement"):
@@ -180,13 +183,13 @@ class Run:
         return batch
 
     def _await_batch(self) -> list:
-        """Poll the queue (a few seconds at a time) for B groups; between polls heartbeat the engines and
-        replace failed ones. Stops the run when the queue reports it cannot fill a batch, or when no group
-        arrived for replay.silence_timeout_s (silence, not duration: a slow engine that delivers is fine)."""
+        """Poll the queue (a few seconds at a time) for B groups; between polls the supervisor does its
+        bounded round (heartbeats, failures, engines coming in or leaving). Stops the run when the queue reports
+        it cannot fill a batch, or when no group arrived for replay.silence_timeout_s (silence, not
+        duration: a slow engine that delivers is fine)."""
         rc = self.cfg.replay
         while True:
-            if self.supervisor.due():
-                self.supervisor.check(self.version, self._push_now)
+            self.supervisor.poll(self.version)
             got = self.placed.get(self.placed.replay.get_batch.remote(self.version, 2.0), "replay get_batch")
             if got["batch"] is not None:
                 return got["batch"]
@@ -194,10 +197,11 @@ class Run:
                 raise RunFailed(f"no batch can be filled: {got['problem']}")
             if got["silent_s"] > rc.silence_timeout_s:
                 q = self.placed.get(self.placed.replay.stats.remote(), "replay stats")
-                alive = len(self.placed.engines) - len(self.supervisor.failed_engines())
+                alive = self.supervisor.serving - len(self.supervisor.failed_engines())
                 why = ", ".join(f"{v} {k[10:]}" for k, v in q.items() if k.startswith("abandoned/")) or "none"
                 raise RunFailed(f"no group for {got['silent_s']:.0f} s (replay.silence_timeout_s); {alive} of "
-                                f"{len(self.placed.engines)} rollout actors alive; {q['running']} running, "
+                                f"{self.supervisor.serving} serving rollout actors alive "
+                                f"({len(self.supervisor.starting)} starting); {q['running']} running, "
                                 f"{q['depth']} queued, admission capacity {q['capacity_to_admit']}; "
                                 f"abandoned: {why}")
 
@@ -221,9 +225,9 @@ class Run:
     @timed("weight_push")
     def push_weights(self) -> None:
         """Push the current weights. If the previous push failed and an engine died or hung under it, the
-        supervisor replaces that engine (which pushes the current weights itself); if every engine is
-        healthy, the failure was transient and this push simply goes ahead (a second failure in a row
-        then stops the run)."""
+        supervisor takes that engine out and rebuilds the group with the others (which pushes the current
+        weights itself); if every engine is healthy, the failure was transient and this push simply goes
+        ahead (a second failure in a row then stops the run)."""
         t0 = time.perf_counter()
         try:
             if self._previous_push_ok():
@@ -232,17 +236,25 @@ class Run:
             self._push_stall_s = time.perf_counter() - t0  # what the loop lost to the push this step
 
     def _previous_push_ok(self) -> bool:
-        """Wait for the previous push; False when it failed and the supervisor replaced an engine (which
-        pushed the current weights already)."""
+        """Wait for the previous push, heartbeating meanwhile (an engine hung under it is killed, which ends
+        the wait); False when the supervisor rebuilt the group, which pushed the current weights already."""
         try:
-            self.placed.wait_push()
+            self.placed.wait_push(meanwhile=lambda: self.supervisor.detect(self.version))
         except RunFailed as exc:
-            if isinstance(exc, ActorDied) or self._push_failed_before:
+            if isinstance(exc, ActorDied):
+                raise
+            log.warning("%s; checking the engines", exc)
+            if self.supervisor.check(self.version):  # an engine failed or left: the group followed, pushed
+                self._push_failed_before = False
+                return False
+            if self._push_failed_before:  # a second failure in a row that no engine explains
                 raise
             self._push_failed_before = True
-            log.warning("%s; checking the engines", exc)
-            return not self.supervisor.check(self.version, self._push_now)
+            return True
         self._push_failed_before = False
+        if self.supervisor.regroup_pending:  # an engine left after the push: the group follows first
+            self.supervisor.poll(self.version)
+            return False
         return True
 
     def _push_now(self, version: int) -> None:
@@ -256,19 +268,17 @@ class Run:
     @timed("logging")
     def log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
         self._collect_validation(block=False)  # a validation that finished meanwhile
-        queue, roll, push = self.placed.step_stats()
+        queue, engines, push = self.placed.step_stats()
         now = time.perf_counter()
-        dt = max(roll["t"] - self._last["t"], 1e-9)  # between the two snapshots of the engines' counters
+        t = next(iter(engines.values()))["t"] if engines else time.perf_counter()  # when they were asked
+        per_engine, fleet = fleet_metrics(engines, self._last["engines"], t - self._last["t"], batch)
+        self._last = {"engines": engines, "t": t}
         timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s,
-                  "weight_push_s": push.get("push_s", 0.0), "weight_push_stall_s": self._push_stall_s,
-                  # max(0, .): a replaced engine starts its counters from zero
-                  "gen_tokens_per_s": max(0.0, roll["gen_tokens"] - self._last["gen_tokens"]) / dt,
-                  "rollout_idle_ratio": min(1.0, max(0.0, roll["idle_seconds"] - self._last["idle"])
-                                            / dt / roll["engines"])}
-        self._last = {"gen_tokens": roll["gen_tokens"], "idle": roll["idle_seconds"], "t": roll["t"]}
+                  "weight_push_s": push.get("push_s", 0.0), "weight_push_stall_s": self._push_stall_s, **fleet}
         self._push_stall_s = 0.0  # a step without a push (weight_sync.every_k_steps > 1) stalls nothing
-        m = step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing)
+        m = {**step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing), **per_engine}
         m["rollout/engine_restarts"] = float(self.supervisor.restarts)
+        m["rollout/engines_starting"] = float(len(self.supervisor.starting))
         m["val/skipped"] = float(self._val_skipped)
         self.metrics.write(step, m)
         self.step = step
@@ -294,7 +304,11 @@ class Run:
     def _start_validation(self, step: int) -> None:
         if self._val_rows is None:  # built once: a file's dedup is logged once
             self._val_rows = val_rows(self.cfg)
-        engines = self.placed.engines
+        engines = self.placed.serving()
+        if not engines:  # the only engine is being replaced: nothing to validate on
+            self._val_skipped += 1
+            log.warning("validation at step %d skipped: no engine serving (val/skipped)", step)
+            return
         parts = split_rows(self._val_rows, len(engines))
         params, k = val_sampling_params(self.cfg), self.cfg.logging.val_n
         refs = [e.validate.remote([self._val_rows[i] for i in idx], k, params) for e, idx in zip(engines, parts)]
@@ -323,6 +337,7 @@ class Run:
             log.warning("validation at step %d skipped: %s", v["step"], exc)
             return
         res["val/seconds"] = time.perf_counter() - v["t0"]
+        res["val/engines"] = float(len(v["refs"]))
         self.metrics.write(v["step"], res)
         log.info("val step %d (v%d..v%d, %d distinct prompts, %d engines, %.1f s): avg@%d %.3f pass@%d %.3f "
                  "maj@%d %.3f  %s", v["step"], int(res["val/version"]), int(res["val/version_max"]),

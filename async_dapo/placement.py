@@ -1,9 +1,14 @@
-"""Place a run's actors with Ray and wire them: one placement group (a bundle per engine and per learner
-rank, CPU or GPU from the config), the replay-queue actor, the zmq stream, the learners' process group and
-the weight-update group (async_dapo.weight_sync.WeightGroup: learner rank 0 + every engine rank). Also the
-fan-out helpers the orchestrator uses, the pieces the supervisor (async_dapo.supervise) replaces a rollout
-actor with, and an orderly shutdown by handle. Every wait is bounded by the config
-(placement.start_timeout_s, call_timeout_s, weight_sync.timeout_s).
+"""Place a run's actors with Ray and wire them: a placement group for the learner ranks (a bundle each,
+packed) and one per rollout actor (so that an engine added or removed while the run goes on takes its
+resources from Ray and gives them back), the replay-queue actor, the zmq stream, the learners' process group
+and the weight-update group (async_dapo.weight_sync.WeightGroup: learner rank 0 + every serving engine's
+ranks). Also the fan-out helpers the orchestrator uses, the pieces the supervisor (async_dapo.supervise)
+starts, replaces and removes a rollout actor with, and an orderly shutdown by handle.
+
+A placement the cluster can never hold (a bundle larger than every node, or more resources than all nodes
+have) stops the run at once naming the fields and the cluster's resources, unless placement.autoscaling
+says nodes may come; one that waits for resources says so every minute. Every wait is bounded by the
+config (placement.start_timeout_s, call_timeout_s, weight_sync.timeout_s).
 """
 
 from __future__ import annotations
@@ -29,24 +34,25 @@ def _bundle(cpus: float, gpus: int) -> dict[str, float]:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
 
+REPORT_EVERY_S = 60.0  # a placement that waits for resources says so this often
+
+
 def _endpoint(cfg: Config, pg, bundle: int) -> tuple[str, int]:
-    """(host, free port) on the node of ``bundle`` for a TCP rendezvous. Loopback unless the config binds
-    another interface (multi-node runs set transport.bind_host)."""
+    """(host, free port) on the node of ``bundle`` for a TCP rendezvous (weight_sync.rendezvous_endpoint),
+    before any actor runs there."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    loopback = cfg.transport.bind_host in ("127.0.0.1", "localhost", "::1")
-
     @ray.remote(num_cpus=0)
-    def probe() -> tuple[str, int]:
-        from async_dapo.weight_sync import free_port
+    def probe(bind_host: str) -> tuple[str, int]:
+        from async_dapo.weight_sync import rendezvous_endpoint
 
-        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        return host, free_port(host)
+        return rendezvous_endpoint(bind_host)
 
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
     try:
-        return ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=cfg.placement.start_timeout_s)
+        return ray.get(probe.options(scheduling_strategy=strategy).remote(cfg.transport.bind_host),
+                       timeout=cfg.placement.start_timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise WaitExpired(f"rendezvous endpoint on bundle {bundle}: no answer in "
                           f"{cfg.placement.start_timeout_s:.0f} s") from None
@@ -55,12 +61,14 @@ def _endpoint(cfg: Config, pg, bundle: int) -> tuple[str, int]:
 @dataclass
 class Placed:
     cfg: Config
-    pg: Any
+    pg: Any  # the learner ranks' placement group
     replay: Any
-    engines: list = field(default_factory=list)
+    engines: dict = field(default_factory=dict)  # engine rank -> rollout actor, serving (in the weight group)
     learners: list = field(default_factory=list)
-    weights: WeightGroup | None = None  # the weight-update group (rebuilt when an engine is replaced)
-    _engine_stats_refs: tuple | None = None  # (get_stats refs, when asked): collected at the next step_stats
+    weights: WeightGroup | None = None  # the weight-update group (rebuilt when the serving engines change)
+    engine_pgs: dict = field(default_factory=dict)  # engine rank -> its one-bundle placement group
+    starting: dict = field(default_factory=dict)  # engine rank -> rollout actor not serving yet (supervise)
+    _engine_stats_refs: tuple | None = None  # (rank -> get_stats ref, when asked): collected at the next step_stats
 
     def get(self, refs, what: str, timeout_s: float | None = None):
         """ray.get bounded by placement.call_timeout_s (or ``timeout_s``); the error names what it waited for."""
@@ -82,7 +90,8 @@ class Placed:
         queue"): the stop line names what died, also for a call that went to one actor."""
         if actor_id is None:
             return "an actor"
-        roles = [(self.replay, "replay queue")] + [(e, f"rollout actor {i}") for i, e in enumerate(self.engines)]
+        engines = {**self.starting, **self.engines}
+        roles = [(self.replay, "replay queue")] + [(e, f"rollout actor {i}") for i, e in engines.items()]
         roles += [(r, f"learner rank {i}") for i, r in enumerate(self.learners)]
         for handle, role in roles:
             own = getattr(handle, "_actor_id", None)  # Ray's ActorID; the handle has no public accessor
@@ -102,50 +111,64 @@ class Placed:
         return wait_all(refs, [f"learner rank {r}" for r in range(len(refs))], what=method,
                         timeout_s=self.cfg.placement.call_timeout_s)
 
+    def serving(self) -> list:
+        """The serving engines in rank order: the weight group's order (engine i holds its ranks 1 + i·tp)."""
+        return [self.engines[r] for r in sorted(self.engines)]
+
     def start_rollouts(self, which: list[int] | None = None) -> None:
         address = self.get(self.replay.address.remote(), "replay address")
         secret = self.get(self.replay.producer_secret.remote(), "replay secret")
-        engines = [self.engines[i] for i in (range(len(self.engines)) if which is None else which)]
+        engines = [self.engines[i] for i in (sorted(self.engines) if which is None else which)]
         self.get([e.start.remote(self.replay, address, secret) for e in engines], "start rollouts")
 
     def push_weights(self, version: int) -> None:
-        """Every learner rank pushes ``version``; once the engines loaded it, rank 0 tells the replay queue
-        (``set_version``: admission counts the version the engines run)."""
+        """Every learner rank pushes ``version`` to the serving engines; once they loaded it, rank 0 tells
+        the replay queue (``set_version``: admission counts the version the engines run)."""
+        if not self.engines:  # the only engine failed: its replacement is pushed to when it comes up
+            return
         loaded = ActorCallback(self.replay, "set_version", self.cfg.weight_sync.timeout_s)
-        self.on_learners("push_weights", self.engines, loaded, version)
+        self.on_learners("push_weights", self.serving(), loaded, version)
 
-    def wait_push(self) -> float:
-        """Wait for the previous push; RunFailed if it failed (ActorDied if learner rank 0 died)."""
-        return wait_all([self.learners[0].wait_push.remote()], ["learner rank 0"], what="weight push",
-                        timeout_s=3 * self.cfg.weight_sync.timeout_s)[0]
+    def wait_push(self, meanwhile=None) -> float:
+        """Wait for the previous push; RunFailed if it failed (ActorDied if learner rank 0 died).
+        ``meanwhile()`` runs about once a second while it waits (the supervisor's heartbeats: an engine that
+        hangs under the push is noticed and killed, which fails the push instead of waiting out its bound)."""
+        import ray
 
-    def step_stats(self) -> tuple[dict[str, Any], dict[str, float], dict[str, Any]]:
-        """(queue stats, summed rollout stats, learner rank 0's last push). The engines' counters are the
-        ones asked for at the previous call (``roll["t"]`` says when): a busy rollout actor answers only
-        after tens of ms of GIL contention, and waiting for it every step cost ~50 ms per step."""
+        ref, bound = self.learners[0].wait_push.remote(), 3 * self.cfg.weight_sync.timeout_s
+        deadline = time.monotonic() + bound
+        while meanwhile is not None and time.monotonic() < deadline and not ray.wait([ref], timeout=1.0)[0]:
+            meanwhile()
+        return wait_all([ref], ["learner rank 0"], what="weight push",
+                        timeout_s=max(0.0, deadline - time.monotonic()))[0]
+
+    def step_stats(self) -> tuple[dict[str, Any], dict[int, dict], dict[str, Any]]:
+        """(queue stats, each serving engine's stats by rank, learner rank 0's last push). The engines'
+        counters are the ones asked for at the previous call (each carries ``t``, when it was asked): a busy
+        rollout actor answers only after tens of ms of GIL contention, and waiting for it every step cost
+        ~50 ms per step."""
         import ray
 
         queue_ref, push_ref = self.replay.stats.remote(), self.learners[0].last_push.remote()
         asked, t = self._engine_stats_refs or (self._ask_engines(), time.perf_counter())
         self._engine_stats_refs = (self._ask_engines(), time.perf_counter())
-        stats = []
-        for ref in asked:  # a dead engine is the supervisor's business, not the metrics'
+        engines = {}
+        for rank, ref in asked.items():  # a dead engine is the supervisor's business, not the metrics'
             try:
-                stats.append(ray.get(ref, timeout=self.cfg.placement.health_check_timeout_s))
+                engines[rank] = {**ray.get(ref, timeout=self.cfg.placement.health_check_timeout_s), "t": t}
             except Exception:
                 continue
-        roll = {"gen_tokens": sum(s["gen_tokens"] for s in stats), "t": t,
-                "idle_seconds": sum(s["idle_seconds"] for s in stats), "engines": max(len(stats), 1)}
         # Named as wait_push names it: learner rank 0 killed while this waits says "learner rank 0 died".
         push = wait_all([push_ref], ["learner rank 0"], what="last push",
                         timeout_s=self.cfg.placement.call_timeout_s)[0]
-        return self.get(queue_ref, "replay stats"), roll, push
+        return self.get(queue_ref, "replay stats"), engines, push
 
-    def _ask_engines(self) -> list:
-        return [e.get_stats.remote() for e in self.engines]
+    def _ask_engines(self) -> dict:
+        return {rank: e.get_stats.remote() for rank, e in self.engines.items()}
 
     def pids(self) -> dict[str, Any]:
-        """Process ids of the run's actors (written to run_dir/actors.json for operators and fault tests)."""
+        """Process ids of the run's actors (written to run_dir/actors.json for operators and fault tests):
+        the serving engines under "rollout", the ones still starting under "starting"."""
         import ray
 
         def pid(ref) -> int | None:
@@ -154,32 +177,71 @@ class Placed:
             except Exception:  # a dead actor has no pid to report
                 return None
 
-        engines = {str(i): (pid(e.get_stats.remote()) or {}) for i, e in enumerate(self.engines)}
-        return {"rollout": {i: s.get("pid") if isinstance(s, dict) else None for i, s in engines.items()},
+        def engine_pids(engines: dict) -> dict[str, Any]:
+            stats = {str(i): (pid(e.get_stats.remote()) or {}) for i, e in sorted(engines.items())}
+            return {i: s.get("pid") if isinstance(s, dict) else None for i, s in stats.items()}
+
+        return {"rollout": engine_pids(self.engines), "starting": sorted(self.starting),
                 "learner": {str(r): pid(a.pid.remote()) for r, a in enumerate(self.learners)},
                 "replay": pid(self.replay.pid.remote()),
                 "weight_group": self.weights.name if self.weights else None}
 
-    def bundle(self, index: int) -> dict[str, Any]:
+    def learner_bundle(self, rank: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)}
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)}
 
-    def new_engine(self, index: int, version: int):
-        """Start rollout actor ``index`` (in its own bundle) at ``version`` and wait until its engine is up."""
-        engine = rollout_actor_class(self.cfg, **self.bundle(index)).remote(self.cfg, index, version)
-        self.get(engine.get_stats.remote(), f"start of rollout actor {index}", self.cfg.placement.start_timeout_s)
-        return engine
+    def engine_group(self, rank: int):
+        """The placement group of engine ``rank``: reused by its replacement, created for a new rank (it is
+        not waited for here: :func:`pg_ready` tells when Ray placed it)."""
+        from ray.util.placement_group import placement_group
+
+        if rank not in self.engine_pgs:
+            p = self.cfg.placement
+            self.engine_pgs[rank] = placement_group([_bundle(p.engine_cpus, p.engine_gpus)], strategy="PACK")
+        return self.engine_pgs[rank]
+
+    def engine_group_ready(self, rank: int) -> bool:
+        return pg_ready(self.engine_pgs[rank])
+
+    def check_span(self) -> None:
+        """RunFailed if the run's placement groups and the driver's node span more than placement.nnodes."""
+        check_nodes(self.cfg, [self.pg, *self.engine_pgs.values()])
+
+    def waiting_for(self, rank: int) -> str:
+        """What engine ``rank``'s placement group waits for, and what the cluster has free."""
+        return f"{_waiting([self.engine_pgs[rank]])}; the cluster has free {_free()}"
+
+    def check_room(self, engines: int) -> None:
+        """RunFailed (one line) if the cluster can never hold this run with ``engines`` rollout actors."""
+        check_fits(self.cfg, cluster_nodes(), extra_engines=max(0, engines - self.cfg.placement.num_engines))
+
+    def spawn_engine(self, rank: int, version: int):
+        """Create rollout actor ``rank`` in its placement group (ready) at ``version``; does not wait for its
+        engine (``get_stats`` answers once it is up)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.engine_group(rank), placement_group_bundle_index=0)
+        return rollout_actor_class(self.cfg, scheduling_strategy=strategy).remote(self.cfg, rank, version)
+
+    def remove_engine_group(self, rank: int) -> None:
+        """Give engine ``rank``'s resources back to Ray (it was removed)."""
+        from ray.util.placement_group import remove_placement_group
+
+        pg = self.engine_pgs.pop(rank, None)
+        if pg is not None:
+            remove_placement_group(pg)
 
     def rebuild_weight_group(self) -> None:
-        self.weights.rebuild(self.learners[0], self.engines)
+        self.weights.rebuild(self.learners[0], self.serving())
 
     def shutdown(self) -> None:
         """End what this run started, by handle: engines (SGLang processes), learners, queue, the group."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actors, method in ((self.engines, "shutdown"), (self.learners, "shutdown"), ([self.replay], "close")):
+        engines = [*self.engines.values(), *self.starting.values()]
+        for actors, method in ((engines, "shutdown"), (self.learners, "shutdown"), ([self.replay], "close")):
             actors = [a for a in actors if a is not None]
             try:  # bounded: a hung actor is killed below anyway
                 ray.get([getattr(a, method).remote() for a in actors], timeout=60)
@@ -187,7 +249,8 @@ class Placed:
                 log.warning("shutdown: %s failed: %r", method, exc)
             for a in actors:
                 ray.kill(a)
-        remove_placement_group(self.pg)
+        for pg in [self.pg, *self.engine_pgs.values()]:
+            remove_placement_group(pg)
 
 
 def connect_ray(cfg: Config) -> threading.Event:
@@ -228,37 +291,130 @@ def place(cfg: Config, initial_version: int = 0) -> Placed:
 
     p = cfg.placement
     n_eng, n_lrn = p.num_engines, p.learner_ranks
-    bundles = [_bundle(p.engine_cpus, p.engine_gpus)] * n_eng + [_bundle(p.learner_cpus, p.learner_gpus)] * n_lrn
-    # Created first: a placement group waits forever for CPUs that fractional-CPU actors already hold.
-    pg = placement_group(bundles, strategy="PACK")
-    placed = Placed(cfg, pg, None)
-    placed.get(pg.ready(), f"placement group {bundles}", p.start_timeout_s)
-    check_nodes(cfg, pg)
+    check_fits(cfg, cluster_nodes())
+    # Created first: a placement group waits forever for CPUs that fractional-CPU actors already hold. The
+    # learners' first: packed, they want whole nodes, which single-bundle engine groups would fragment.
+    placed = Placed(cfg, placement_group([_bundle(p.learner_cpus, p.learner_gpus)] * n_lrn, strategy="PACK"), None)
+    for rank in range(n_eng):
+        placed.engine_group(rank)
+    wait_placed(cfg, [placed.pg, *placed.engine_pgs.values()])
+    placed.check_span()
     # On the driver's node, explicitly: it binds transport.bind_host there, and the driver talks to it
     # every step (a CPU-only head node is the usual place for both).
     placed.replay = replay_actor_class(cfg, scheduling_strategy=NodeAffinitySchedulingStrategy(
         ray.get_runtime_context().get_node_id(), soft=False)).remote(cfg, initial_version)
-    placed.engines = [rollout_actor_class(cfg, **placed.bundle(i)).remote(cfg, i, initial_version)
-                      for i in range(n_eng)]
-    host, port = _endpoint(cfg, pg, n_eng)
-    placed.learners = [learner_actor_class(cfg, **placed.bundle(n_eng + r)).remote(cfg, r, n_lrn, host, port)
+    placed.engines = {rank: placed.spawn_engine(rank, initial_version) for rank in range(n_eng)}
+    host, port = _endpoint(cfg, placed.pg, 0)
+    placed.learners = [learner_actor_class(cfg, **placed.learner_bundle(r)).remote(cfg, r, n_lrn, host, port)
                        for r in range(n_lrn)]
-    placed.get([e.get_stats.remote() for e in placed.engines] + [r.ready.remote() for r in placed.learners],
+    placed.get([e.get_stats.remote() for e in placed.serving()] + [r.ready.remote() for r in placed.learners],
                f"start of {n_eng} engine(s) and {n_lrn} learner rank(s)", p.start_timeout_s)
     placed.weights = WeightGroup(cfg, dist_backend(learner_device(cfg), cfg.weight_sync.backend), placed.get,
-                                 lambda: _endpoint(cfg, pg, n_eng))
-    placed.weights.open(placed.learners[0], placed.engines)
+                                 lambda: placed.get(placed.learners[0].weight_group_endpoint.remote(),
+                                                    "weight-group endpoint on learner rank 0"))
+    placed.weights.open(placed.learners[0], placed.serving())
     log.info("placed %d engine(s) and %d learner rank(s)", n_eng, n_lrn)
     return placed
 
 
-def check_nodes(cfg: Config, pg) -> None:
+def cluster_nodes() -> list[dict[str, float]]:
+    """Each alive node's total resources (CPU, GPU, ...), as Ray reports them."""
+    import ray
+
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+
+
+def _demand(cfg: Config) -> list[tuple[str, dict[str, float], int]]:
+    """(what, one bundle, how many) of a run: the fields that ask for each."""
+    p = cfg.placement
+    return [(f"placement.num_engines={p.num_engines} x (placement.engine_cpus={p.engine_cpus:g}, "
+             f"placement.engine_gpus={p.engine_gpus})", _bundle(p.engine_cpus, p.engine_gpus), p.num_engines),
+            (f"placement.learner_ranks={p.learner_ranks} x (placement.learner_cpus={p.learner_cpus:g}, "
+             f"placement.learner_gpus={p.learner_gpus})", _bundle(p.learner_cpus, p.learner_gpus), p.learner_ranks),
+            (f"placement.queue_cpus={p.queue_cpus:g}", {"CPU": p.queue_cpus}, 1)]
+
+
+def check_fits(cfg: Config, nodes: list[dict[str, float]], extra_engines: int = 0) -> None:
+    """RunFailed, in one line, when the cluster's nodes can never hold the run (plus ``extra_engines`` more
+    engines): a bundle no node is large enough for, or more CPUs or GPUs than all nodes have together. With
+    placement.autoscaling a larger placement may still come true (nodes are added), so it is not refused."""
+    if cfg.placement.autoscaling:
+        return
+    demand = _demand(cfg)
+    if extra_engines:
+        demand[0] = (f"{demand[0][0]} + {extra_engines} more engine(s)", demand[0][1], demand[0][2] + extra_engines)
+    have = {k: sum(n.get(k, 0.0) for n in nodes) for k in ("CPU", "GPU")}
+    need = {k: sum(b.get(k, 0.0) * n for _, b, n in demand) for k in ("CPU", "GPU")}
+    short = [k for k in need if need[k] > have[k] + 1e-9]
+    too_big = [what for what, b, n in demand if n and not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in b.items())
+                                                              for node in nodes)]
+    if not short and not too_big:
+        return
+    why = (f"needs {need['CPU']:g} CPU and {need['GPU']:g} GPU" if short else
+           f"has a bundle no node can hold ({'; '.join(too_big)})")
+    raise RunFailed(f"the placement cannot be held: it {why} ({'; '.join(w for w, _, _ in demand)}) but the cluster "
+                    f"has {have['CPU']:g} CPU and {have['GPU']:g} GPU on {len(nodes)} node(s) "
+                    f"(largest node {_largest(nodes)}); lower those fields, add nodes, or set placement.autoscaling "
+                    "if an autoscaler adds them")
+
+
+def _largest(nodes: list[dict[str, float]]) -> str:
+    if not nodes:
+        return "none"
+    big = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
+    return f"{big.get('CPU', 0.0):g} CPU, {big.get('GPU', 0.0):g} GPU"
+
+
+def pg_ready(pg) -> bool:
+    """Whether Ray has placed ``pg`` (does not wait)."""
+    import ray
+
+    return bool(ray.wait([pg.ready()], timeout=0)[0])
+
+
+def wait_placed(cfg: Config, pgs: list) -> None:
+    """Wait until every group in ``pgs`` is placed, at most placement.start_timeout_s, saying every minute
+    which bundles still wait and what the cluster has free."""
+    import ray
+
+    timeout = cfg.placement.start_timeout_s
+    deadline = time.monotonic() + timeout
+    pending = {pg.ready(): pg for pg in pgs}
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WaitExpired(f"placement: {_waiting(pending.values())} not placed in {timeout:.0f} s "
+                              f"(placement.start_timeout_s); the cluster has free {_free()}")
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(REPORT_EVERY_S, left))
+        for ref in ready:
+            pending.pop(ref)
+        if pending and left > REPORT_EVERY_S:  # a whole minute without every group placed
+            log.warning("placement: waiting for resources: %s; the cluster has free %s (placement.start_timeout_s "
+                        "%.0f s, %.0f s left)", _waiting(pending.values()), _free(), timeout, left - REPORT_EVERY_S)
+
+
+def _waiting(pgs) -> str:
+    bundles = [b for pg in pgs for b in pg.bundle_specs]
+    return f"{len(bundles)} bundle(s) {bundles}"
+
+
+def _free() -> str:
+    import ray
+
+    free = ray.available_resources()
+    return f"{free.get('CPU', 0.0):g} CPU, {free.get('GPU', 0.0):g} GPU"
+
+
+def check_nodes(cfg: Config, pgs: list) -> None:
     """RunFailed, in one line, when the placement spans more nodes than placement.nnodes says: the load-time
     multi-node rules (shared run_dir, a reachable bind address) were checked for that number."""
+    import ray
     from ray.util.placement_group import placement_group_table
 
-    nodes = {n for n in placement_group_table(pg).get("bundles_to_node_id", {}).values() if n}
+    nodes = {n for pg in pgs for n in placement_group_table(pg).get("bundles_to_node_id", {}).values() if n}
+    nodes.add(ray.get_runtime_context().get_node_id())  # the replay queue's node: pinned to the driver's
     if len(nodes) > cfg.placement.nnodes:
-        raise RunFailed(f"the placement spans {len(nodes)} nodes but placement.nnodes is {cfg.placement.nnodes}: "
-                        "set placement.nnodes (a multi-node run also needs an absolute logging.run_dir on shared "
-                        "storage and transport.bind_host set to this node's interface, e.g. 0.0.0.0)")
+        raise RunFailed(f"the placement spans {len(nodes)} nodes (the driver's included) but placement.nnodes is "
+                        f"{cfg.placement.nnodes}: set placement.nnodes (a multi-node run also needs an absolute "
+                        "logging.run_dir on shared storage and transport.bind_host set to an interface of the "
+                        "driver's node that other nodes reach, e.g. 0.0.0.0)")

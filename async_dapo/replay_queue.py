@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from async_dapo.config import Config
+from async_dapo.config import Config, engine_ceiling
 from async_dapo.data import PromptCursor, prompt_ids, train_rows
 from async_dapo.replay import ACCEPTED, ReplayPolicy
 from async_dapo.transport import GroupReceiver, new_secret
@@ -327,4 +327,8 @@ class ReplayQueue:
 def replay_actor_class(cfg: Config, **options):
     import ray
 
-    return ray.remote(ReplayQueue).options(num_cpus=cfg.placement.queue_cpus, max_concurrency=64, **options)
+    # Each rollout actor keeps one admit call parked here while the window is full (up to rollout's
+    # ADMIT_WAIT_S), a replacement's beside its predecessor's: with no more slots than that, get_batch and
+    # set_version wait behind them (tools/bench/control_plane.py, 64 engines: 313 vs 707 groups/s).
+    return ray.remote(ReplayQueue).options(num_cpus=cfg.placement.queue_cpus,
+                                           max_concurrency=64 + 2 * engine_ceiling(cfg), **options)

@@ -49,7 +49,7 @@ Limits on hostile or broken input (the receiver never raises on bad input):
     flight on that connection) is lost and is NOT counted, because zmq reports it to no socket
     call; the sender reconnects by itself and later messages flow again.
   - Peers: at most ``max_peers`` TCP connections are open at once (the run's: transport.max_peers,
-    None = 2 x placement.num_engines). A ZAP handler (``_PeerGate``, one thread per receiver) answers
+    None = 2 x placement.max_engines). A ZAP handler (``_PeerGate``, one thread per receiver) answers
     every new connection after the greeting, before any of its message frames is read; while
     ``max_peers`` connections are open (admitted ones and ones still in their handshake, the asking one
     included) it refuses it, and each refusal counts as ``rejected_peers``. libzmq does not retry a
@@ -479,10 +479,10 @@ class GroupReceiver:
 
     @classmethod
     def from_config(cls, cfg: Config, **kwargs: Any) -> GroupReceiver:
-        """The run's receiver: transport.* with max_peers resolved (None = 2 x placement.num_engines)."""
+        """The run's receiver: transport.* with max_peers resolved (None = 2 x placement.max_engines)."""
         t = cfg.transport
         return cls(t.bind_host, t.port, t.max_message_bytes,
-                   max_peers=receive_max_peers(t.max_peers, cfg.placement.num_engines),
+                   max_peers=receive_max_peers(t.max_peers, cfg.placement.max_engines or cfg.placement.num_engines),
                    receive_budget_bytes=t.receive_budget_bytes, **kwargs)
 
     @property

@@ -106,6 +106,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_endpoint(bind_host: str) -> tuple[str, int]:
+    """(host, free port) on this node for a TCP rendezvous: loopback unless transport.bind_host binds
+    another interface (multi-node), then this node's IP as Ray knows it."""
+    import ray
+
+    host = "127.0.0.1" if bind_host in ("127.0.0.1", "localhost", "::1") else ray.util.get_node_ip_address()
+    return host, free_port(host)
+
+
 def open_update_group(
     master_addr: str, master_port: int, world_size: int, group_name: str, backend: str, timeout_s: float,
     rank: int = 0,
@@ -171,8 +180,8 @@ class WeightGroup:
         self.get(joins, f"engines joining {self.name}", timeout)
 
     def rebuild(self, learner, engines: list) -> None:
-        """A new group (new name, new port) with every current engine: the learner closes the old one first
-        (on gloo that also fails any engine still blocked in it), then the survivors leave it."""
+        """A new group (new name, new port) with ``engines`` (every serving one): the learner closes the old
+        one first (on gloo that also fails any engine still blocked in it), then the survivors leave it."""
         import ray
 
         old, ws = self.name, self.cfg.weight_sync
@@ -183,7 +192,8 @@ class WeightGroup:
             except Exception as exc:  # the replacement never joined the old group
                 log.debug("leave %s: %r", old, exc)
         self.generation += 1
-        self.open(learner, engines)
+        if engines:  # none serving (the only engine failed): no group until one comes up
+            self.open(learner, engines)
 
 
 @dataclass(frozen=True)

@@ -186,3 +186,14 @@ def write_table(rows: list[dict], columns: list[str], md_path: Path | None, csv_
             w.writeheader()
             w.writerows(rows)
     return text
+
+
+def save_results(name: str, results: list[dict], rows: list[dict], columns: list[str], out: Path | None) -> str:
+    """A benchmark's results: ``rows`` as a table (returned), and with ``out`` also ``<name>.md``/``.csv``
+    and every raw result in ``<name>.jsonl`` there."""
+    md = csv_path = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        md, csv_path = out / f"{name}.md", out / f"{name}.csv"
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    return write_table(rows, columns, md, csv_path)

@@ -45,3 +45,48 @@ def test_eval_engine_start_is_bounded(tiny_model):
     assert out.returncode == 1, out.stderr[-2000:]
     assert lines[-1] == ("eval failed: TimeoutError: engine start (placement.start_timeout_s): not ready in 2 s "
                          "(no log file)"), lines[-3:]
+
+
+PLACE = """
+import logging, os, sys
+from async_dapo import placement
+from async_dapo.config import load_config
+from async_dapo.supervise import RunFailed
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+placement.REPORT_EVERY_S = 2.0  # the one-minute report, sooner
+over = os.cpu_count() + 1  # one engine more than this machine has CPUs, one CPU each
+cfg = load_config(None, [f"placement.num_engines={over}", "placement.start_timeout_s=120"] + sys.argv[1:])
+park = placement.connect_ray(cfg)
+cfg.placement.start_timeout_s = 7  # after Ray's own start, which may take longer on a loaded machine
+try:
+    placement.place(cfg)
+except RunFailed as exc:
+    print("STOP", exc)
+    sys.exit(0)
+sys.exit("placed a run the cluster cannot hold")
+"""
+
+
+def _place(*overrides: str) -> tuple[str, str, float]:
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", PLACE, *overrides], capture_output=True, text=True, timeout=180,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout, out.stderr, time.monotonic() - t0
+
+
+def test_a_placement_the_cluster_cannot_hold_stops_at_once_naming_fields_and_resources():
+    stdout, _, seconds = _place()
+    line = stdout.strip().splitlines()[-1]
+    assert line.startswith("STOP the placement cannot be held: it needs ") and "placement.num_engines=" in line
+    assert "but the cluster has " in line and "on 1 node(s)" in line and "placement.autoscaling" in line
+    assert seconds < 90  # at once after Ray's start, not after placement.start_timeout_s of waiting
+
+
+def test_a_placement_that_waits_for_nodes_says_so_and_is_bounded():
+    """With placement.autoscaling nodes may come: it waits, reporting what it waits for, up to its bound."""
+    stdout, stderr, _ = _place("placement.autoscaling=true")
+    reports = [line for line in stderr.splitlines() if "placement: waiting for resources:" in line]
+    assert len(reports) >= 2 and "bundle(s)" in reports[0] and "the cluster has free" in reports[0], stderr[-2000:]
+    line = stdout.strip().splitlines()[-1]
+    assert "not placed in 7 s (placement.start_timeout_s); the cluster has free" in line, line

@@ -79,7 +79,7 @@ def test_killed_and_hung_rollout_actors_are_replaced_and_the_run_finishes(tiny_m
         first = _actors(run_dir)["rollout"]["0"]
         os.kill(first, signal.SIGKILL)  # fault 1: the process is gone
         t_kill = time.time()
-        _wait(lambda: _actors(run_dir)["rollout"]["0"] not in (first, None), proc, 300, "a replacement")
+        _wait(lambda: _actors(run_dir)["rollout"].get("0") not in (first, None), proc, 300, "a replacement")
         t_replaced = time.time()
         steps_then = len(_train_rows(run_dir))
         _wait(lambda: len(_train_rows(run_dir)) >= steps_then + 2, proc, 300, "training after the replacement")
@@ -88,7 +88,7 @@ def test_killed_and_hung_rollout_actors_are_replaced_and_the_run_finishes(tiny_m
         for pid in stopped:  # fault 2: the engine's scheduler and detokenizer hang (alive, silent)
             os.kill(pid, signal.SIGSTOP)
         t_stop = time.time()
-        _wait(lambda: _actors(run_dir)["rollout"]["0"] not in (second, None), proc, 300, "a second replacement")
+        _wait(lambda: _actors(run_dir)["rollout"].get("0") not in (second, None), proc, 300, "a second replacement")
         t_second = time.time()
         assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     finally:
@@ -179,6 +179,6 @@ def test_silence_stops_the_run_with_what_it_waited_for(tiny_model, tmp_path):
     assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
     print(f"\nstart -> exit 1: {time.time() - t0:.1f} s; {lines[0]}")
     assert "no group for" in lines[0] and "(replay.silence_timeout_s)" in lines[0]
-    assert "1 of 1 rollout actors alive" in lines[0] and "running" in lines[0] and "queued" in lines[0]
+    assert "1 of 1 serving rollout actors alive" in lines[0] and "running" in lines[0] and "queued" in lines[0]
     assert "abandoned" in lines[0] and "oversized" in lines[0]
     assert _train_rows(run_dir) == []

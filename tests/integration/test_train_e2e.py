@@ -152,22 +152,15 @@ def test_kill_after_checkpoint_then_resume_gives_same_next_step_loss(tiny_model,
 
 def test_ray_job_submit_to_local_head_succeeds(tiny_model, tmp_path):
     import re
-    import tempfile
 
-    from async_dapo.weight_sync import free_port
+    from tests.raycluster import LocalCluster
 
-    venv_bin = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    env.pop("RAY_ADDRESS", None)
-    gcs, dash = free_port(), free_port()
-    ray_bin = str(Path(venv_bin) / "ray")
-    head = [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard", "true",
-            "--num-cpus", "2", "--temp-dir", tempfile.mkdtemp(prefix="rj", dir="/tmp")]  # short: socket paths
-    subprocess.run(head, check=True, env=env, timeout=300, capture_output=True)
+    # One node on its own loopback address, ended by PID (a plain `ray stop` would end every Ray instance here).
+    cluster = LocalCluster(ips=("127.0.0.2",), cpus=2).start()
+    env, dash = cluster.env, cluster.dashboard_url
     try:
         job = subprocess.run(
-            [str(REPO / "tools" / "cluster" / "submit.sh"), "--address", f"http://127.0.0.1:{dash}", "--",
+            [str(REPO / "tools" / "cluster" / "submit.sh"), "--address", dash, "--",
              "--config", str(CPU_CONFIG), "--set", f"model.path={tiny_model}", "--set", "model.bootstrap=null",
              "--set", f"logging.run_dir={tmp_path / 'job_run'}", "--set", "learner.total_steps=2",
              "--set", "logging.val_every_steps=0", *SMALL],
@@ -177,10 +170,10 @@ def test_ray_job_submit_to_local_head_succeeds(tiny_model, tmp_path):
         # A fresh interpreter: Ray reads RAY_AUTH_MODE at import (the head enables token auth, see submit.sh).
         probe = ("import sys; from ray.job_submission import JobSubmissionClient as C; "
                  "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)")
-        status = subprocess.run([sys.executable, "-c", probe, f"http://127.0.0.1:{dash}", job_id],
+        status = subprocess.run([sys.executable, "-c", probe, dash, job_id],
                                 env={**env, "RAY_AUTH_MODE": "token"}, timeout=120, capture_output=True, text=True)
         assert status.stdout.strip() == "SUCCEEDED", status.stdout + status.stderr[-2000:]
         steps = _steps(tmp_path / "job_run")
         assert [m["train/version"] for m in steps] == [1.0, 2.0]
     finally:
-        subprocess.run([ray_bin, "stop"], env=env, timeout=120, capture_output=True)  # the head we started
+        cluster.stop()  # the node we started, by PID

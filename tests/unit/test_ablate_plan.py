@@ -3,8 +3,12 @@ cumulative, and cluster submission runs each unfinished run once, at most --max-
 client is replaced by a recorder here; tests/integration/test_tools.py runs the real local path)."""
 
 import json
+import os
+import subprocess
 import sys
+import threading
 import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -85,6 +89,21 @@ def test_dapo_rows_are_cumulative_from_naive_grpo_to_dapo():
         assert c.data.synthetic.response_style == "steps" and c.algorithm.clip_low == 0.2
 
 
+def test_a_multi_node_study_gives_every_run_its_own_absolute_run_dir():
+    """`--set placement.nnodes=2` (a multi-node cluster) needs an absolute run_dir in every config ablate
+    loads, and a `--set logging.run_dir=...` must not put every run into one directory."""
+    sets = ["placement.nnodes=2", "transport.bind_host=0.0.0.0", "logging.run_dir=/shared/one_dir"]
+    args = types.SimpleNamespace(study="staleness", preset="quick", seeds=None, out=Path("/shared/ablate"),
+                                 overrides=sets)
+    cells, presets = ablate.STUDIES["staleness"]
+    jobs = ablate.plan(args, presets["quick"], cells(64), Path("/shared/ablate/staleness/model"))
+    dirs = [load_config(CONFIG, job.sets).logging.run_dir for job in jobs]  # the multi-node rules pass
+    assert dirs == [job.run_dir for job in jobs] and len(set(dirs)) == len(jobs) == 2
+    assert all(d.is_relative_to("/shared/ablate/staleness/quick") for d in dirs)
+    base = load_config(CONFIG, [*ablate.VAL, *sets[:2], ablate.study_run_dir(args)])  # main's and the bootstrap's
+    assert base.placement.nnodes == 2 and base.logging.run_dir == Path("/shared/ablate/staleness")
+
+
 class _Client:
     """Records submissions; every job succeeds at the first status check after its submission. ``listed``:
     jobs the head already knows (an earlier invocation's)."""
@@ -113,6 +132,7 @@ def _cluster(tmp_path, monkeypatch, client):
                                  JobStatus=types.SimpleNamespace(SUCCEEDED="SUCCEEDED", FAILED="FAILED", STOPPED="STOPPED"))
     monkeypatch.setitem(sys.modules, "ray.job_submission", fake)
     monkeypatch.setattr(ablate.time, "sleep", lambda s: None)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # set explicitly: run_cluster leaves it as it is
     args = types.SimpleNamespace(study="staleness", preset="full", seeds=None, out=tmp_path, overrides=[],
                                  address="http://head:8265", max_jobs=2, run_timeout=60, config=str(CONFIG))
     cells, presets = ablate.STUDIES["staleness"]
@@ -161,3 +181,53 @@ def test_a_finished_run_with_another_config_is_not_reused(tmp_path, monkeypatch)
     (done / "metrics.jsonl").write_text(json.dumps({"step": 4, "perf/step_s": 1.0}) + "\n"
                                         + json.dumps({"step": 4, "time/total_s": 1.0}) + "\n")
     assert not jobs[0].done(args.config)  # ended (killed or failed) before its 80 steps: run it again
+
+
+class _TokenHead(BaseHTTPRequestHandler):
+    """The job API of a head with token authentication, as far as run_cluster uses it before submitting:
+    without ``Authorization: Bearer <token>`` every request gets Ray's 401."""
+
+    token = ""
+    seen: list[str | None] = []
+
+    def do_GET(self):
+        self.seen.append(self.headers.get("Authorization"))
+        if self.headers.get("Authorization") != f"Bearer {self.token}":
+            self._answer(401, b"Unauthorized: Missing authentication token")
+        elif self.path == "/api/version":
+            self._answer(200, json.dumps({"version": "4", "ray_version": "2.60.0", "ray_commit": "x"}).encode())
+        else:  # /api/jobs/: nothing submitted yet
+            self._answer(200, b"[]")
+
+    def _answer(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_cluster_client_sends_the_token_that_ray_start_head_keeps(tmp_path):
+    """README's `ablate.py --address` after `ray start --head`: the head enables token auth and keeps the token
+    in ~/.ray/auth_token, RAY_AUTH_MODE is unset. Ray reads the mode when it is imported, so run_cluster must
+    set it before its first ray import (it used to set it after, and every request failed "Missing
+    authentication token"). A fresh interpreter, so that no earlier import of ray decides; a stand-in head."""
+    (tmp_path / ".ray").mkdir()
+    _TokenHead.token, _TokenHead.seen = "0123456789abcdef0123456789abcdef", []
+    (tmp_path / ".ray" / "auth_token").write_text(_TokenHead.token)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _TokenHead)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    code = (f"import sys, types; sys.path.insert(0, {str(REPO / 'tools' / 'study')!r}); import ablate; "
+            "ablate.run_cluster(types.SimpleNamespace(address=sys.argv[1], config='x', max_jobs=1, run_timeout=1), [])")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, f"http://127.0.0.1:{server.server_port}"], cwd=tmp_path,
+                              env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _TokenHead.seen and set(_TokenHead.seen) == {f"Bearer {_TokenHead.token}"}

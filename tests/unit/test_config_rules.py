@@ -13,6 +13,7 @@ MIB = 1024 * 1024
 # transport.receive_budget_bytes at its floor: default max_message_bytes (64 MiB), max_peers None = 2 x 1 engine.
 BUDGET_2_PEERS = config.receive_min_budget(2, config.receive_hard_cap(64 * MIB))
 BUDGET_3_PEERS = config.receive_min_budget(3, config.receive_hard_cap(64 * MIB))
+BUDGET_4_PEERS = config.receive_min_budget(4, config.receive_hard_cap(64 * MIB))
 
 # (rule, overrides on the defaults that break only that rule, what its one-line message must contain (it starts
 # with the first), overrides at the rule's boundary that must load). A rule may have several rows (ids below).
@@ -179,12 +180,30 @@ CASES = {
         ["transport.bind_host", "placement.nnodes", "0.0.0.0"],
         ["placement.nnodes=2", "logging.run_dir=/mnt/shared/x", "transport.bind_host=10.0.0.5"],
     ),
+    "multi_node_bind_not_any_loopback": (
+        "rule_multi_node_bind_reachable",
+        ["placement.nnodes=2", "logging.run_dir=/mnt/shared/x", "transport.bind_host=127.0.1.1"],
+        ["transport.bind_host", "placement.nnodes", "0.0.0.0"],
+        ["placement.nnodes=2", "logging.run_dir=/mnt/shared/x", "transport.bind_host=0.0.0.0"],
+    ),
     "receive_budget_default_peers": (
         "rule_receive_budget_fits_peers",
         [f"transport.receive_budget_bytes={BUDGET_2_PEERS - 1}"],
         [f"transport.receive_budget_bytes ({BUDGET_2_PEERS - 1})", f">= {BUDGET_2_PEERS}", "transport.max_peers 2",
-         "transport.max_message_bytes", "placement.num_engines"],
+         "transport.max_message_bytes", "placement.max_engines"],
         [f"transport.receive_budget_bytes={BUDGET_2_PEERS}"],
+    ),
+    "receive_budget_engine_ceiling": (  # None peers = 2 x the most engines the run may be scaled to
+        "rule_receive_budget_fits_peers",
+        ["placement.max_engines=2", f"transport.receive_budget_bytes={BUDGET_4_PEERS - 1}"],
+        ["transport.receive_budget_bytes", "transport.max_peers 4"],
+        ["placement.max_engines=2", f"transport.receive_budget_bytes={BUDGET_4_PEERS}"],
+    ),
+    "engine_ceiling_holds_start": (
+        "rule_engine_ceiling_holds_start",
+        ["placement.num_engines=3", "placement.max_engines=2"],
+        ["placement.max_engines (2)", "placement.num_engines (3)"],
+        ["placement.num_engines=3", "placement.max_engines=3"],
     ),
     "receive_budget_set_peers": (
         "rule_receive_budget_fits_peers",

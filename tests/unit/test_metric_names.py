@@ -26,7 +26,9 @@ from async_dapo.evaluate import merge_parts, split_rows
 from tests.unit.val_scores import prompt_scores
 from async_dapo.learner import LearnerWorker
 from async_dapo.loss import policy_loss
-from async_dapo.metrics import _LEARNER_TAGS, RENAMED_TAGS, PhaseClock, progress_line, step_metrics, upgrade_row
+from async_dapo.metrics import (
+    _LEARNER_TAGS, RENAMED_TAGS, PhaseClock, fleet_metrics, progress_line, step_metrics, upgrade_row,
+)
 from async_dapo.replay_queue import ReplayQueue
 from async_dapo.wire import Group, Sample
 
@@ -154,7 +156,9 @@ def step_tags(monkeypatch) -> dict[str, float]:
     timing = {"step_s": 2.0, "wait_data_s": 0.5, "weight_push_s": 0.3, "weight_push_stall_s": 0.1,
               "gen_tokens_per_s": 100.0, "rollout_idle_ratio": 0.2}
     m = step_metrics(GROUPS, learner_output(monkeypatch), queue_stats(), trained_version=4, timing=timing)
-    return {**m, **{tag: 0.0 for tag in _source_tags("orchestrator.py", "m")}}
+    engine = {"gen_tokens": 10, "idle_seconds": 0.5, "groups_sent": 2, "version": 3, "pid": 7}
+    per_engine, _ = fleet_metrics({0: engine}, {}, 1.0, GROUPS)
+    return {**m, **per_engine, **{tag: 0.0 for tag in _source_tags("orchestrator.py", "m")}}
 
 
 def _row(level: int, q: str) -> PromptRow:

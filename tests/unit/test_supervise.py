@@ -10,15 +10,15 @@ from async_dapo.supervise import EngineSupervisor, RunFailed
 
 class _Placed:
     def __init__(self, cfg):
-        self.cfg, self.engines = cfg, []
+        self.cfg, self.engines = cfg, {}
 
 
 def test_exhausted_restarts_stop_the_run_naming_actor_and_checkpoint():
     cfg = load_config(None, ["placement.max_engine_restarts=2"])
-    sup = EngineSupervisor(_Placed(cfg), lambda: "unused")
+    sup = EngineSupervisor(_Placed(cfg), lambda: "unused", push_now=None, wait_push=None)
     sup.restarts = 1
     with pytest.raises(RunFailed) as err:  # two failures in one heartbeat, one restart left: none replaced
-        sup.replace([(3, "process died (SIGKILL)"), (5, "no output from the engine in 30 s (hung)")], 41, push=None)
+        sup.replace([(3, "process died (SIGKILL)"), (5, "no output from the engine in 30 s (hung)")], 41)
     msg = str(err.value)
     assert msg == ("rollout actor 3 failed: process died (SIGKILL), rollout actor 5 failed: no output from the "
                    "engine in 30 s (hung); placement.max_engine_restarts (2) exhausted")

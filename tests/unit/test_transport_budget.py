@@ -275,6 +275,7 @@ def test_config_too_small_budget_is_a_config_error_naming_the_fields():
 @pytest.mark.parametrize(("overrides", "peers"), [
     ([], 2), (["placement.num_engines=3"], 6), (["transport.max_peers=5"], 5),
     (["placement.num_engines=3", "transport.max_peers=1"], 1),
+    (["placement.max_engines=2"], 4),  # room for the engines the run may be scaled to
 ])
 def test_config_max_peers_resolution_reaches_the_receiver(overrides, peers):
     cfg = load_config(None, overrides)

@@ -23,7 +23,8 @@
 #
 # environment:
 #   RAY_ADDRESS         the default --address
-#   RAY_AUTH_MODE       set to "token" when unset and ~/.ray/auth_token exists (Ray 2.60's token auth)
+#   RAY_AUTH_MODE       set to "token" when unset and Ray keeps a token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+#                       ~/.ray/auth_token: Ray 2.60's token auth)
 set -euo pipefail
 usage() { sed -n '2,/^[^#]/{/^#/{s/^# \{0,1\}//;p;};}' "$0"; }  # the comment block above
 address="${RAY_ADDRESS:-http://127.0.0.1:8265}"
@@ -41,7 +42,8 @@ while [ $# -gt 0 ]; do
 done
 # Ray 2.60's `ray start --head` enables token authentication and keeps the token in ~/.ray/auth_token,
 # while the job client only reads it in token mode.
-if [ -z "${RAY_AUTH_MODE:-}" ] && [ -f "${HOME}/.ray/auth_token" ]; then
+if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -n "${RAY_AUTH_TOKEN_PATH:-}" ] \
+                                    || [ -f "${HOME}/.ray/auth_token" ]; }; then
   export RAY_AUTH_MODE=token
 fi
 cd "$(dirname "$0")/../.."  # the repository root: the job's working directory

@@ -26,7 +26,9 @@ Locally the runs go one after another (``async-dapo train`` in a child process e
 each run is submitted to that Ray cluster as a job (Ray's job API, as ``ray job submit`` does; the
 entrypoint is the same ``async-dapo train`` command with ``placement.ray_address=auto``), at most
 ``--max-jobs`` at a time; OUT must be on storage the cluster's nodes share (the jobs write their run
-directories there and this tool reads them back). A run whose metrics already hold its end is not run again.
+directories there and this tool reads them back); on several nodes also pass the multi-node settings,
+``--set placement.nnodes=N --set transport.bind_host=0.0.0.0`` (every run's ``logging.run_dir`` is the study's,
+under OUT, whatever ``--set`` says). A run whose metrics already hold its end is not run again.
 
 Outputs in OUT/<study>/: runs.csv (one row per run), curves.csv (one row per validation), table.md, and
 curves.png (held-out avg@k versus step, versus generated samples and versus wall minutes; mean over seeds,
@@ -140,9 +142,15 @@ def plan(args, preset: Preset, cells: dict[str, list[str]], model: Path) -> list
                     "checkpoint.export_hf=false", f"learner.total_steps={preset.steps}",
                     f"logging.val_every_steps={preset.val_every}", f"logging.seed={seed}",
                     f"data.shuffle_seed={seed}", f"rollout.engine.random_seed={seed}",
-                    f"logging.run_dir={run_dir}", *cells[cell], *args.overrides]
+                    *cells[cell], *args.overrides, f"logging.run_dir={run_dir}"]  # the study's, after --set
             jobs.append(Job(cell, seed, run_dir, sets, preset.steps))
     return jobs
+
+
+def study_run_dir(args) -> str:
+    """The override that puts a config's run directory in the study's (absolute: valid for a multi-node
+    ``--set placement.nnodes=N`` too); every run gets its own below it (``plan``), after the ``--set``s."""
+    return f"logging.run_dir={(args.out / args.study).resolve()}"
 
 
 def _slug(cell: str) -> str:
@@ -152,7 +160,8 @@ def _slug(cell: str) -> str:
 def build_model(args, preset: Preset) -> Path:
     """One warm start for the whole study (the task's validation split changes the bootstrap's data)."""
     model = (args.out / args.study / "model").resolve()
-    cmd = cli_command("bootstrap", args.config, [*VAL, *preset.extra, f"model.path={model}", *args.overrides])
+    cmd = cli_command("bootstrap", args.config, [*VAL, *preset.extra, f"model.path={model}", *args.overrides,
+                                                 study_run_dir(args)])
     import subprocess
 
     try:
@@ -180,10 +189,9 @@ def run_cluster(args, jobs: list[Job]) -> None:
     has a stable id (study, preset, cell, seed), so a rerun adopts a job still running from an earlier
     invocation instead of starting a second one into the same directory; every call to the head is bounded
     (``CALL_TIMEOUT_S``), each job by ``--run-timeout``; on any exit the jobs still running are stopped."""
+    token_auth_env(os.environ)  # before ray is imported: Ray reads RAY_AUTH_MODE once, at import
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
-        os.environ["RAY_AUTH_MODE"] = "token"  # Ray 2.60's head keeps a token there; the client reads it so
     client = _call(JobSubmissionClient, args.address, what=f"connect to {args.address}")
     ended = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     known = {j.submission_id: j.status for j in _call(client.list_jobs, what="list jobs") if j.submission_id}
@@ -223,6 +231,17 @@ def run_cluster(args, jobs: list[Job]) -> None:
                 _call(client.stop_job, sid, what=f"stop {sid}")
             except Exception as exc:  # the head may be what failed
                 print(f"could not stop {sid}: {exc}", flush=True)
+
+
+def token_auth_env(environ) -> None:
+    """``RAY_AUTH_MODE=token`` in ``environ`` when it is unset and Ray keeps a token (``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``, where Ray 2.60's ``ray start --head`` leaves it): the job
+    client sends the token only in token mode, and a head with token auth refuses requests without it
+    ("Missing authentication token"), as tools/cluster/submit.sh does for the CLI. Ray reads the mode when
+    ``ray`` is first imported, so this must run before that import."""
+    tokens = environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH")
+    if "RAY_AUTH_MODE" not in environ and (tokens or (Path.home() / ".ray" / "auth_token").exists()):
+        environ["RAY_AUTH_MODE"] = "token"
 
 
 CALL_TIMEOUT_S = 120  # one request to the Ray head (Ray's job client sets no timeout of its own)
@@ -378,7 +397,9 @@ def main() -> None:
         for cell in preset.cells:
             print(f"{cell}: {' '.join(cells(64)[cell])}")
         return
-    base = load_config(args.config, [*VAL, *preset.extra, *args.overrides])  # a bad override fails here
+    # A bad override fails here, with the run directory the study's (a relative default would break the
+    # multi-node rule of a `--set placement.nnodes=2`).
+    base = load_config(args.config, [*VAL, *preset.extra, *args.overrides, study_run_dir(args)])
     cells = cells(base.algorithm.train_batch_groups)
     model = (args.out / args.study / "model").resolve() if args.report else build_model(args, preset)
     jobs = plan(args, preset, cells, model)

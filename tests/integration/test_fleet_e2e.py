@@ -1,0 +1,184 @@
+"""Several engines through the real stack (SGLang CPU engines, Ray, zmq, FSDP2/gloo), each test asserting what
+a user of a fleet relies on (docs/reliability.md, docs/scaling.md):
+
+* 2 engines x 2 learner ranks train to the last step: every engine produced trained groups (its share of
+  them is reported per engine), every engine runs every pushed version, validation used both engines;
+* one of two engines SIGKILLed (and, separately, its engine SIGSTOPped): the other keeps generating and the
+  learner keeps training while the replacement starts in the background; the learner's longest wait for
+  data during the replacement is asserted against the replacement's own duration, measured in the same run;
+* 1 -> 2 -> 1 engines with ``async-dapo scale`` in one run: the added engine serves live weights, the
+  removed one's prompts are released, and every admitted prompt is accounted for.
+
+On this 2-core machine 2 engines take ``placement.engine_cpus=0.5`` each.
+"""
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO
+from tests.integration.test_faults_e2e import _actors, _assert_prompts_trained_once, _cmd, _end, _rows, _start, \
+    _train_rows, _wait
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TWO_ENGINES = ["--set", "placement.num_engines=2", "--set", "placement.engine_cpus=0.5"]
+DROPS = ("dropped_all_correct", "dropped_all_wrong", "dropped_uniform", "dropped_stale", "dropped_capacity")
+
+
+def _events(run_dir: Path, event: str | None = None) -> list[dict]:
+    return [e for e in _rows(run_dir, "fleet.jsonl") if event is None or e["event"] == event]
+
+
+def _assert_every_prompt_accounted(row: dict, steps: int, batch: int) -> None:
+    """The queue's counters at the last step: every admitted prompt was trained, dropped (counted by reason),
+    given back to the cursor, or is still running or queued; and the learner trained exactly steps x B."""
+    assert row["replay/handed_out"] == steps * batch
+    ended = row["replay/handed_out"] + sum(row[f"replay/{d}"] for d in DROPS) + row["replay/abandoned"]
+    assert row["replay/admitted"] == ended + row["replay/running"] + row["replay/depth"], row
+
+
+def test_two_engines_and_two_learner_ranks_train_to_the_end(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = _cmd(run_dir, *TWO_ENGINES, "--set", "placement.learner_ranks=2", "--set", "placement.learner_cpus=0.5",
+               "--set", "learner.mini_batch_groups=8", "--set", "learner.total_steps=6",
+               "--set", "logging.val_every_steps=3", "--set", "logging.val_prompts=40")
+    done = subprocess.run(cmd, cwd=REPO, timeout=900, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _train_rows(run_dir)
+    assert [m["train/version"] for m in rows] == [float(v) for v in range(1, 7)]
+    groups = {r: sum(m.get(f"rollout/{r}/batch_share", 0.0) * 16 for m in rows) for r in (0, 1)}
+    print(f"\ntrained groups per engine: {groups} of {16 * len(rows)}")
+    assert all(m["rollout/engines"] == 2.0 for m in rows)
+    assert sum(groups.values()) == pytest.approx(16 * len(rows))  # every trained group came from one of them
+    assert min(groups.values()) >= 0.25 * 16 * len(rows)  # admission is shared: neither engine is starved
+    for m in rows[1:]:  # each engine's counters, asked one step earlier: both run every pushed version
+        assert m["rollout/0/version"] == m["rollout/1/version"], m
+        assert m["train/version"] - 2 <= m["rollout/0/version"] <= m["train/version"], m
+    vals = [m for m in _rows(run_dir) if "val/avg_at_k" in m]
+    assert [v["step"] for v in vals] == [0, 3, 6] and all(v["val/engines"] == 2.0 for v in vals)
+    assert all(v["val/distinct_prompts"] == 40.0 for v in vals)  # both shares came back and were merged
+    _assert_every_prompt_accounted(rows[-1], 6, 16)
+    _assert_prompts_trained_once(run_dir)
+
+
+def _idle(m: dict) -> float:
+    """What the learner lost in one step: waiting for data plus waiting for the previous push."""
+    return m["perf/wait_data_s"] + m["perf/weight_push_stall_s"]
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_one_of_two_engines_fails_and_training_goes_on(tiny_model, tmp_path, fault):
+    """SIGKILL: noticed at the next heartbeat. SIGSTOP: the engine hangs inside a weight update (the push
+    reaches it within a step), which it may legitimately be busy with for weight_sync.timeout_s (20 s here);
+    the push then fails and the next heartbeat (health_check_timeout_s, 10 s) names it: that detection is the
+    one stall left. Either way the replacement starts in the background and the learner trains on the
+    survivor's groups until it serves."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    steps = 200  # enough to outlast an engine start on a loaded 2-core machine (30-75 s)
+    proc = _start(_cmd(run_dir, *TWO_ENGINES, "--set", f"learner.total_steps={steps}"), log)
+    stopped: list[int] = []
+    try:
+        _wait(lambda: len(_train_rows(run_dir)) >= 5, proc, 600, "step 5")
+        victim = _actors(run_dir)["rollout"]["1"]
+        if fault == "SIGKILL":
+            os.kill(victim, signal.SIGKILL)
+        else:  # the engine hangs: its scheduler and detokenizer are alive and silent
+            stopped = [c.pid for c in psutil.Process(victim).children(recursive=True)]
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+        t_fault = time.time()
+        _wait(lambda: _events(run_dir, "joined"), proc, 600, "the replacement serving")
+        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+    finally:
+        _end(proc)
+    rows, text = _train_rows(run_dir), log.read_text()
+    assert [m["train/version"] for m in rows] == [float(v) for v in range(1, steps + 1)]
+    failed, joined = _events(run_dir, "failed")[0], _events(run_dir, "joined")[0]
+    regroups = _events(run_dir, "regrouped")
+    assert failed["rank"] == joined["rank"] == 1 and rows[-1]["rollout/engine_restarts"] == 1.0
+    detect_s, recovery_s = failed["time"] - t_fault, joined["time"] - failed["time"]
+    before = [m for m in rows if m["time"] < t_fault]
+    # The step that was running when the engine was taken out carries the detection's stall; the rest of the
+    # replacement's time is what the survivor covers.
+    first = next(i for i, m in enumerate(rows) if m["time"] > failed["time"])
+    detecting = [m for m in rows[:first + 1] if m["time"] > t_fault]
+    during = [m for m in rows[first + 1:] if m["time"] <= joined["time"]]
+    normal = statistics.median(m["perf/time_per_step"] for m in before)
+    detect_stall = max((_idle(m) for m in detecting), default=0.0)
+    longest = max(_idle(m) for m in during)
+    survivor_share = statistics.fmean(m["rollout/0/batch_share"] for m in during)
+    print(f"\n{fault}: noticed after {detect_s:.1f} s (longest step stall meanwhile {detect_stall:.1f} s); "
+          f"replacement serving {recovery_s:.1f} s after that; {len(during)} steps trained meanwhile, the learner "
+          f"idle {sum(_idle(m) for m in during):.1f} s of them (longest {longest:.2f} s; median step before the fault "
+          f"{normal:.2f} s); the survivor made {survivor_share:.0%} of the groups trained meanwhile; each regroup "
+          f"(wait for the push in flight, rebuild, push): "
+          f"{[(round(r['wait_push_s'], 2), round(r['group_s'], 2), round(r['push_s'], 2)) for r in regroups]} s")
+    # The learner kept training on the survivor's groups: many steps, none stalled near the replacement time.
+    assert len(during) >= 5, (during, recovery_s)
+    assert longest < 0.25 * recovery_s, (longest, recovery_s)
+    assert survivor_share > 0.9  # engine 0 went on generating (the first step may hold groups of engine 1)
+    # Detection: a dead engine at the next heartbeat; a hung one within its update's bound plus a heartbeat.
+    assert detect_s < (5 if fault == "SIGKILL" else 20 + 10 + 10), detect_s
+    assert detect_stall < (5 if fault == "SIGKILL" else 20 + 10 + 10), detect_stall
+    # The survivor's cost of each change is one group rebuild and one push, not a restart.
+    assert len(regroups) == 2 and all(r["seconds"] < 10 for r in regroups), regroups
+    assert regroups[0]["engines"] == [0] and regroups[1]["engines"] == [0, 1] and regroups[1]["joined"] == [1]
+    assert rows[-1]["rollout/engines"] == 2.0 and rows[-1]["rollout/1/batch_share"] > 0  # it serves again
+    assert rows[-1]["replay/abandoned/actor_failed"] >= 1  # its in-flight prompts went back to the cursor
+    assert ("process died" if fault == "SIGKILL" else "hung") in text
+    assert not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    _assert_every_prompt_accounted(rows[-1], steps, 16)
+    _assert_prompts_trained_once(run_dir)
+
+
+def _scale(run_dir: Path, engines: int) -> None:
+    done = subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", str(engines)],
+                          cwd=REPO, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_engines_scale_1_2_1_while_the_run_trains(tiny_model, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    steps = 240  # enough to outlast an engine start on a loaded 2-core machine (30-75 s), twice
+    proc = _start(_cmd(run_dir, "--set", "placement.max_engines=2", "--set", "placement.engine_cpus=0.5",
+                       "--set", f"learner.total_steps={steps}"), log)
+    try:
+        _wait(lambda: len(_train_rows(run_dir)) >= 3, proc, 600, "step 3")
+        refused = subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", "3"],
+                                 cwd=REPO, timeout=60, capture_output=True, text=True)
+        assert refused.returncode == 2 and "placement.max_engines (2)" in refused.stderr, refused.stderr
+        _scale(run_dir, 2)
+        _wait(lambda: _events(run_dir, "joined"), proc, 600, "the added engine serving")
+        joined_at = len(_train_rows(run_dir))
+        _wait(lambda: len(_train_rows(run_dir)) >= joined_at + 4, proc, 400, "4 steps on two engines")
+        _scale(run_dir, 1)
+        _wait(lambda: _events(run_dir, "removed"), proc, 200, "the engine removed")
+        removed_at = len(_train_rows(run_dir))
+        assert removed_at < steps - 2, "the run ended before the scale-down could be seen"
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        _end(proc)
+    rows = _train_rows(run_dir)
+    assert [m["train/version"] for m in rows] == [float(v) for v in range(1, steps + 1)]
+    up, removed = _events(run_dir, "joined")[0], _events(run_dir, "removed")[0]
+    assert up["rank"] == removed["rank"] == 1 and up["why"] == "added" and removed["reason"] == "scaled_down"
+    two = [m for m in rows if m["rollout/engines"] == 2.0]
+    print(f"\nadded engine serving {up['seconds']:.1f} s after the request; {len(two)} steps on 2 engines; removed "
+          f"with {removed['released_prompts']} in-flight prompts released; engine 1's share of those steps' groups "
+          f"{statistics.fmean(m['rollout/1/batch_share'] for m in two):.2f}")
+    assert len(two) >= 3 and any(m["rollout/1/batch_share"] > 0 for m in two)  # it trained groups too
+    assert all(m["rollout/engines"] == 1.0 for m in rows[removed_at + 1:])
+    last = rows[-1]
+    assert last.get("replay/abandoned/scaled_down", 0.0) == removed["released_prompts"]
+    assert last["rollout/engine_restarts"] == 0.0
+    assert "1" not in _actors(run_dir)["rollout"]  # gone from the fleet, and its placement group with it
+    _assert_every_prompt_accounted(last, steps, 16)
+    _assert_prompts_trained_once(run_dir)
