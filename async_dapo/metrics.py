@@ -96,7 +96,6 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
         out.update({f"rollout/{rank}/gen_tokens_per_s": d_tok / dt,
                     f"rollout/{rank}/groups_per_s": max(0, s["groups_sent"] - b["groups_sent"]) / dt,
                     f"rollout/{rank}/idle_ratio": min(1.0, d_idle / dt), f"rollout/{rank}/version": float(s["version"])})
-    out["rollout/engines"] = float(len(now))
     return out, {"gen_tokens_per_s": tokens / dt, "rollout_idle_ratio": min(1.0, idle / dt / max(len(now), 1))}
 
 

@@ -32,7 +32,7 @@ from async_dapo.metrics import (
     MetricsWriter, PhaseClock, fleet_metrics, progress_line, step_metrics, timed, val_subsets_line, write_atomic,
 )
 from async_dapo.wire import read_groups, write_groups
-from async_dapo.supervise import ActorDied, EngineSupervisor, RunFailed, WaitExpired
+from async_dapo.supervise import ActorDied, EngineSupervisor, RestartsExhausted, RunFailed, WaitExpired
 
 log = logging.getLogger("async_dapo")
 
@@ -241,7 +241,7 @@ class Run:
         try:
             self.placed.wait_push(meanwhile=lambda: self.supervisor.detect(self.version))
         except RunFailed as exc:
-            if isinstance(exc, ActorDied):
+            if isinstance(exc, (ActorDied, RestartsExhausted)):  # (the latter from the heartbeats meanwhile)
                 raise
             log.warning("%s; checking the engines", exc)
             if self.supervisor.check(self.version):  # an engine failed or left: the group followed, pushed
@@ -268,15 +268,16 @@ class Run:
     @timed("logging")
     def log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
         self._collect_validation(block=False)  # a validation that finished meanwhile
-        queue, engines, push = self.placed.step_stats()
+        queue, engines, t, push = self.placed.step_stats()
         now = time.perf_counter()
-        t = next(iter(engines.values()))["t"] if engines else time.perf_counter()  # when they were asked
         per_engine, fleet = fleet_metrics(engines, self._last["engines"], t - self._last["t"], batch)
-        self._last = {"engines": engines, "t": t}
+        # an engine that did not answer this time keeps its last counters (its next answer is a delta of them)
+        self._last = {"engines": {**self._last["engines"], **engines}, "t": t}
         timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s,
                   "weight_push_s": push.get("push_s", 0.0), "weight_push_stall_s": self._push_stall_s, **fleet}
         self._push_stall_s = 0.0  # a step without a push (weight_sync.every_k_steps > 1) stalls nothing
         m = {**step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing), **per_engine}
+        m["rollout/engines"] = float(self.supervisor.serving)  # serving, whether or not it answered in time
         m["rollout/engine_restarts"] = float(self.supervisor.restarts)
         m["rollout/engines_starting"] = float(len(self.supervisor.starting))
         m["val/skipped"] = float(self._val_skipped)

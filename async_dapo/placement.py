@@ -67,6 +67,7 @@ class Placed:
     learners: list = field(default_factory=list)
     weights: WeightGroup | None = None  # the weight-update group (rebuilt when the serving engines change)
     engine_pgs: dict = field(default_factory=dict)  # engine rank -> its one-bundle placement group
+    _pg_ready: dict = field(default_factory=dict)  # engine rank -> its group's ready() ref, asked once
     starting: dict = field(default_factory=dict)  # engine rank -> rollout actor not serving yet (supervise)
     _engine_stats_refs: tuple | None = None  # (rank -> get_stats ref, when asked): collected at the next step_stats
 
@@ -142,11 +143,10 @@ class Placed:
         return wait_all([ref], ["learner rank 0"], what="weight push",
                         timeout_s=max(0.0, deadline - time.monotonic()))[0]
 
-    def step_stats(self) -> tuple[dict[str, Any], dict[int, dict], dict[str, Any]]:
-        """(queue stats, each serving engine's stats by rank, learner rank 0's last push). The engines'
-        counters are the ones asked for at the previous call (each carries ``t``, when it was asked): a busy
-        rollout actor answers only after tens of ms of GIL contention, and waiting for it every step cost
-        ~50 ms per step."""
+    def step_stats(self) -> tuple[dict[str, Any], dict[int, dict], float, dict[str, Any]]:
+        """(queue stats, each serving engine's stats by rank, when those were asked for, learner rank 0's
+        last push). The engines' counters are the ones asked for at the previous call: a busy rollout actor
+        answers only after tens of ms of GIL contention, and waiting for it every step cost ~50 ms per step."""
         import ray
 
         queue_ref, push_ref = self.replay.stats.remote(), self.learners[0].last_push.remote()
@@ -155,13 +155,13 @@ class Placed:
         engines = {}
         for rank, ref in asked.items():  # a dead engine is the supervisor's business, not the metrics'
             try:
-                engines[rank] = {**ray.get(ref, timeout=self.cfg.placement.health_check_timeout_s), "t": t}
+                engines[rank] = ray.get(ref, timeout=self.cfg.placement.health_check_timeout_s)
             except Exception:
                 continue
         # Named as wait_push names it: learner rank 0 killed while this waits says "learner rank 0 died".
         push = wait_all([push_ref], ["learner rank 0"], what="last push",
                         timeout_s=self.cfg.placement.call_timeout_s)[0]
-        return self.get(queue_ref, "replay stats"), engines, push
+        return self.get(queue_ref, "replay stats"), engines, t, push
 
     def _ask_engines(self) -> dict:
         return {rank: e.get_stats.remote() for rank, e in self.engines.items()}
@@ -193,7 +193,7 @@ class Placed:
 
     def engine_group(self, rank: int):
         """The placement group of engine ``rank``: reused by its replacement, created for a new rank (it is
-        not waited for here: :func:`pg_ready` tells when Ray placed it)."""
+        not waited for here: :meth:`engine_group_ready` tells when Ray placed it)."""
         from ray.util.placement_group import placement_group
 
         if rank not in self.engine_pgs:
@@ -202,7 +202,13 @@ class Placed:
         return self.engine_pgs[rank]
 
     def engine_group_ready(self, rank: int) -> bool:
-        return pg_ready(self.engine_pgs[rank])
+        """Whether Ray has placed engine ``rank``'s group (does not wait). Its ready() ref is asked for once
+        and kept: a fresh one per poll would rarely have its answer back at the moment it is looked at."""
+        import ray
+
+        if rank not in self._pg_ready:
+            self._pg_ready[rank] = self.engine_pgs[rank].ready()
+        return bool(ray.wait([self._pg_ready[rank]], timeout=0)[0])
 
     def check_span(self) -> None:
         """RunFailed if the run's placement groups and the driver's node span more than placement.nnodes."""
@@ -229,6 +235,7 @@ class Placed:
         from ray.util.placement_group import remove_placement_group
 
         pg = self.engine_pgs.pop(rank, None)
+        self._pg_ready.pop(rank, None)
         if pg is not None:
             remove_placement_group(pg)
 
@@ -363,13 +370,6 @@ def _largest(nodes: list[dict[str, float]]) -> str:
         return "none"
     big = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)))
     return f"{big.get('CPU', 0.0):g} CPU, {big.get('GPU', 0.0):g} GPU"
-
-
-def pg_ready(pg) -> bool:
-    """Whether Ray has placed ``pg`` (does not wait)."""
-    import ray
-
-    return bool(ray.wait([pg.ready()], timeout=0)[0])
 
 
 def wait_placed(cfg: Config, pgs: list) -> None:

@@ -50,6 +50,10 @@ class WaitExpired(RunFailed):
     """A bounded wait ran out; the message names what it waited for."""
 
 
+class RestartsExhausted(RunFailed):
+    """An engine failed with placement.max_engine_restarts used up."""
+
+
 def wait_all(refs: list, names: list[str], *, what: str, timeout_s: float) -> list[Any]:
     """Results of ``refs`` in order. Fails fast, naming the actor, when one of them errors or its actor died
     (the others may be blocked in a collective with it); raises WaitExpired naming the actors still
@@ -114,6 +118,7 @@ class EngineSupervisor:
         self._beat_t0 = 0.0
         self._next_check = time.monotonic() + self.cfg.placement.health_check_interval_s
         self._regroup = False  # the serving engines changed: the weight group must follow
+        self._joining: dict[int, _Starting] = {}  # up and in the group's next rebuild, not admitting yet
         self._scale_seen: int | None = None  # mtime of the scale request applied last
 
     # ------------------------------------------------------------------ the loop's calls
@@ -197,7 +202,7 @@ class EngineSupervisor:
         limit = self.cfg.placement.max_engine_restarts
         names = ", ".join(f"rollout actor {i} failed: {reason}" for i, reason in failed)
         if self.restarts + len(failed) > limit:
-            raise RunFailed(f"{names}; placement.max_engine_restarts ({limit}) exhausted")
+            raise RestartsExhausted(f"{names}; placement.max_engine_restarts ({limit}) exhausted")
         self.restarts += len(failed)
         log.warning("%s; replacing in the background (restarts used: %d of %d)", names, self.restarts, limit)
         for rank, reason in failed:
@@ -213,6 +218,7 @@ class EngineSupervisor:
         import ray
 
         handle = self.placed.engines.pop(rank)
+        self._regroup = True  # at once: whatever fails below, the group must not keep naming it
         if not graceful:  # a dead or hung engine: kill first (that also fails a push stuck on it)
             ray.kill(handle, no_restart=True)
         released = self.placed.get(self.placed.replay.release_engine.remote(rank, reason), "release prompts")
@@ -222,7 +228,6 @@ class EngineSupervisor:
             except Exception as exc:  # it is killed below anyway
                 log.warning("rollout actor %d: shutdown failed: %r", rank, exc)
             ray.kill(handle, no_restart=True)
-        self._regroup = True
         self._event("removed", rank=rank, reason=reason, released_prompts=released)
         log.info("rollout actor %d left the fleet (%s); %d in-flight prompts returned to the cursor", rank, reason,
                  released)
@@ -255,7 +260,7 @@ class EngineSupervisor:
                             self.placed.waiting_for(s.rank))
             elif s.actor is not None and ray.wait([s.up], timeout=0)[0]:
                 self._came_up(s)
-            if not s.ready and s.rank in self.starting and age > self.cfg.placement.start_timeout_s:
+            if not s.ready and self.starting.get(s.rank) is s and age > self.cfg.placement.start_timeout_s:
                 self._start_failed(s, f"not up in {self.cfg.placement.start_timeout_s:.0f} s "
                                       "(placement.start_timeout_s)")
 
@@ -283,8 +288,8 @@ class EngineSupervisor:
     def _retry_start(self, rank: int, why: str) -> None:
         limit = self.cfg.placement.max_engine_restarts
         if self.restarts + 1 > limit:
-            raise RunFailed(f"rollout actor {rank}: its replacement failed: {why}; placement.max_engine_restarts "
-                            f"({limit}) exhausted")
+            raise RestartsExhausted(f"rollout actor {rank}: its replacement failed: {why}; "
+                                    f"placement.max_engine_restarts ({limit}) exhausted")
         self.restarts += 1
         self._start(rank, "replacement")
 
@@ -300,25 +305,31 @@ class EngineSupervisor:
     def _rebuild(self, version: int) -> None:
         """The serving engines changed: wait for the push in flight (it fails if it went to an engine that
         left), let the engines that came up join, rebuild the group with every serving engine and push the
-        current weights; only then do the new ones admit prompts."""
+        current weights; only then do the new ones admit prompts. An engine that fails meanwhile is taken out
+        and the rebuild is tried again at the next poll."""
         t0 = time.monotonic()
-        try:
-            self.wait_push()
-        except ActorDied:
-            raise
-        except RunFailed as exc:  # expected when an engine of the group was killed under it
-            log.info("the push in flight ended with the fleet's change: %s", exc)
-        joined = [s for s in self.starting.values() if s.ready]
-        for s in joined:
+        self._settle_push()
+        for s in [s for s in self.starting.values() if s.ready]:
             self.placed.engines[s.rank] = self.placed.starting.pop(s.rank)
-            del self.starting[s.rank]
+            self._joining[s.rank] = self.starting.pop(s.rank)
         self.placed.engines = dict(sorted(self.placed.engines.items()))
         self._regroup = False
         t1 = time.monotonic()
-        self.placed.rebuild_weight_group()
-        t2 = time.monotonic()
-        if self.placed.engines:
-            self.push_now(version)  # every serving engine runs the current weights; the new ones before admitting
+        try:
+            self.placed.rebuild_weight_group()
+            t2 = time.monotonic()
+            if self.placed.engines:
+                self.push_now(version)  # every serving engine runs the current weights; new ones before admitting
+        except RunFailed as exc:
+            if isinstance(exc, RestartsExhausted) or not (failed := self.failed_engines()):
+                raise  # no engine explains it (learner rank 0?)
+            log.warning("weight group rebuild failed (%s); taking out %s and rebuilding again", exc, failed)
+            for rank, _ in failed:
+                self._joining.pop(rank, None)
+            self.replace(failed, version)
+            return
+        joined = [self._joining.pop(r) for r in sorted(self._joining) if r in self.placed.engines]
+        self._joining.clear()
         if joined:
             self.placed.start_rollouts([s.rank for s in joined])
         t3 = time.monotonic()
@@ -328,6 +339,15 @@ class EngineSupervisor:
             self._joined(s, version)
         if self.on_change is not None:
             self.on_change()
+
+    def _settle_push(self) -> None:
+        """Wait for the push in flight; its failure is expected when an engine of the group left under it."""
+        try:
+            self.wait_push()
+        except ActorDied:
+            raise
+        except RunFailed as exc:
+            log.info("the push in flight ended with the fleet's change: %s", exc)
 
     def _joined(self, s: _Starting, version: int) -> None:
         failed_at = self.failed_at.pop(s.rank, None)
@@ -380,6 +400,7 @@ class EngineSupervisor:
         gone = order[:len(ranks) - target]
         log.warning("scaling to %d engines: removing rollout actor(s) %s", target, gone)
         self._event("scale", engines=target, removing=gone)
+        self._settle_push()  # not under a push to an engine about to be shut down
         for rank in gone:
             if rank in self.starting:
                 self._drop_starting(rank)

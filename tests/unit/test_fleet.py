@@ -173,21 +173,30 @@ def test_a_hung_heartbeat_is_judged_by_its_age_and_never_waited_for(fake_ray, mo
     assert list(placed.engines) == [0] and fake_ray == ["e1"] and placed.log[0] == ("release", 1, "actor_failed")
 
 
-def test_a_replacement_that_cannot_start_is_retried_until_restarts_run_out(fake_ray, monkeypatch):
+def _replacement_spawned(monkeypatch, restarts: int):
+    """Engine 1 of two failed, and its replacement's actor was created (its engine starting)."""
     clock = Clock(monkeypatch)
-    cfg = load_config(None, CFG + ["placement.max_engine_restarts=2", "placement.start_timeout_s=100"])
+    cfg = load_config(None, CFG + [f"placement.max_engine_restarts={restarts}", "placement.start_timeout_s=100"])
     sup, placed, _ = _supervisor(cfg, {0: Engine("e0"), 1: Engine("e1", health=_dead())})
     clock.now += 10
     sup.poll(1)
     placed.placed_groups.add(1)
     sup.poll(1)
+    return clock, sup, placed
+
+
+def _crash_at_start(sup, placed) -> None:
     placed.spawned[1].up_ref = Ref(error=RuntimeError("engine crashed at start"))
     sup.starting[1].up = placed.spawned[1].up_ref
+
+
+def test_a_replacement_that_cannot_start_is_retried_until_restarts_run_out(fake_ray, monkeypatch):
+    _, sup, placed = _replacement_spawned(monkeypatch, restarts=2)
+    _crash_at_start(sup, placed)
     sup.poll(1)  # its start failed: killed, and a second replacement (restart 2 of 2) begins
     assert sup.restarts == 2 and "new1" in fake_ray and 1 in sup.starting and sup.starting[1].actor is None
     sup.poll(1)
-    placed.spawned[1].up_ref = Ref(error=RuntimeError("engine crashed at start"))
-    sup.starting[1].up = placed.spawned[1].up_ref
+    _crash_at_start(sup, placed)
     with pytest.raises(RunFailed, match=r"rollout actor 1: its replacement failed: engine start failed: .*"
                                         r"placement.max_engine_restarts \(2\) exhausted"):
         sup.poll(1)
@@ -274,3 +283,36 @@ def _fails(cfg, nodes) -> str:
     with pytest.raises(RunFailed) as err:
         check_fits(cfg, nodes)
     return str(err.value)
+
+
+def test_a_start_failure_seen_after_its_bound_counts_one_restart(fake_ray, monkeypatch):
+    clock, sup, placed = _replacement_spawned(monkeypatch, restarts=3)
+    _crash_at_start(sup, placed)
+    clock.now += 200  # a long step: the failed start is only looked at after start_timeout_s
+    sup.poll(1)
+    assert sup.restarts == 2 and sup.starting[1].actor is None  # the failure, once; the new start waits
+
+
+def test_an_engine_that_fails_during_a_rebuild_is_taken_out_and_the_rebuild_retried(fake_ray, monkeypatch):
+    clock = Clock(monkeypatch)
+    sup, placed, pushes = _supervisor(load_config(None, CFG), {0: Engine("e0"), 1: Engine("e1", health=_dead())})
+    clock.now += 10
+    sup.poll(1)  # engine 1 out, the group rebuilt with engine 0
+    placed.placed_groups.add(1)
+    sup.poll(1)
+    placed.spawned[1].up_ref.done = True
+    calls = {"n": 0}
+
+    def rebuild_fails_once():
+        calls["n"] += 1
+        if calls["n"] == 1:  # the rebuild with the replacement: it died right after it came up
+            placed.spawned[1].health_ref = _dead()
+            raise supervise.ActorDied("engines joining weights_1: rollout actor 1 died (gone)")
+        placed.log.append(("group", sorted(placed.engines)))
+
+    placed.rebuild_weight_group = rebuild_fails_once
+    sup.poll(2)  # the replacement is taken out again (a restart more), nothing admits, no RunFailed
+    assert list(placed.engines) == [0] and sup.restarts == 2 and sup.regroup_pending
+    assert ("start", [1]) not in placed.log
+    sup.poll(3)  # the next poll rebuilds with the survivor
+    assert placed.log[-1] == ("group", [0]) and pushes[-1] == (3, [0]) and set(sup.starting) == {1}
