@@ -64,6 +64,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def shared_dir():
+    (REPO / "runs").mkdir(exist_ok=True)  # a fresh clone has none yet
     path = Path(tempfile.mkdtemp(prefix="pytest-multinode-", dir=REPO / "runs"))
     try:
         yield path
