@@ -18,7 +18,8 @@ the queue's included), transport.bind_host 0.0.0.0 (the queue binds every interf
 advertises that node's Ray address) and an absolute logging.run_dir on storage every node sees. Not under
 pytest's tmp_path: that is in /tmp, which config.rule_multi_node_run_dir_shared refuses (node-local on a real
 cluster), so the runs go to a fresh directory under the repository's runs/ (git-ignored, so the job's
-working-dir upload leaves it behind), removed at the end.
+working-dir upload leaves it behind) or, for a clone that itself lives under /tmp, under
+~/.cache/async_dapo_tests; removed at the end.
 """
 
 import csv
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from async_dapo.config import load_config
+from async_dapo.config import NODE_LOCAL_DIRS, load_config
 from tests.conftest import CPU_CONFIG, REPO
 from tests.raycluster import RAY, LocalCluster
 
@@ -64,8 +65,13 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def shared_dir():
-    (REPO / "runs").mkdir(exist_ok=True)  # a fresh clone has none yet
-    path = Path(tempfile.mkdtemp(prefix="pytest-multinode-", dir=REPO / "runs"))
+    # Not node-local by the multi-node rule: the repository's runs/, or, for a clone under /tmp (CI's may be),
+    # a directory under the home directory (one machine: every node sees both).
+    base = REPO / "runs"
+    if any(base.resolve().is_relative_to(d) for d in NODE_LOCAL_DIRS):
+        base = Path.home() / ".cache" / "async_dapo_tests"
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="pytest-multinode-", dir=base))
     try:
         yield path
     finally:
