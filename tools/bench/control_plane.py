@@ -74,6 +74,9 @@ def message_shape(size: str) -> dict:
             "vocab": vocab}
 
 
+CALL_TIMEOUT_S = 300.0  # bound on every call to the queue or a producer host: a stuck actor ends the tool
+
+
 class GroupMaker:
     """Real ``wire.Group`` objects of one shape: fixed random tokens, per-token versions = the ticket's version
     (one Sample tuple per version, built once), half the samples correct."""
@@ -245,12 +248,13 @@ def run_config(size: str, engines: int, seconds: float, hosts: int, batch_groups
     queue = queue_class(cfg, max_concurrency).remote(cfg, 0)
     host_actors: list = []
     try:
-        address, secret, queue_pid = ray.get([queue.address.remote(), queue.producer_secret.remote(), queue.pid.remote()])
+        address, secret, queue_pid = ray.get([queue.address.remote(), queue.producer_secret.remote(),
+                                              queue.pid.remote()], timeout=CALL_TIMEOUT_S)
         split = [list(range(engines))[i::hosts] for i in range(hosts)]
         host_cls = ray.remote(ProducerHost).options(num_cpus=0)
         host_actors = [host_cls.remote(r, shape, address, secret, cfg.transport.max_message_bytes, cap, seed=i)
                        for i, r in enumerate(split) if r]
-        host_pids = ray.get([h.start.remote(queue) for h in host_actors])
+        host_pids = ray.get([h.start.remote(queue) for h in host_actors], timeout=CALL_TIMEOUT_S)
 
         version, handed, t0 = 0, [], None  # handed: (time, e2e seconds) per group
         start = time.time()
@@ -263,7 +267,7 @@ def run_config(size: str, engines: int, seconds: float, hosts: int, batch_groups
 
         def sample() -> None:
             while not sampling.wait(0.25):
-                s = ray.get(queue.stats.remote())
+                s = ray.get(queue.stats.remote(), timeout=CALL_TIMEOUT_S)
                 samples.append({"running": s["running"], "depth": s["depth"]})
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -271,21 +275,21 @@ def run_config(size: str, engines: int, seconds: float, hosts: int, batch_groups
             now = time.time()
             if t0 is None and now - last_check > 0.5:  # warm-up: every producer connected, two batches taken
                 last_check = now
-                connected = sum(ray.get([h.progress.remote() for h in host_actors]))
+                connected = sum(ray.get([h.progress.remote() for h in host_actors], timeout=CALL_TIMEOUT_S))
                 if (connected == engines and version >= 2) or now - start > warmup_timeout_s:
                     t0, warm_s, connected_at_start = now, now - start, connected
                     cpu0 = {k: cpu_seconds(p) for k, p in procs.items()}
-                    stats0 = ray.get(queue.stats.remote())
+                    stats0 = ray.get(queue.stats.remote(), timeout=CALL_TIMEOUT_S)
                     sampler.start()
             if t0 is not None and now - t0 >= seconds:
                 break
-            got = ray.get(queue.get_batch.remote(version, 2.0))
+            got = ray.get(queue.get_batch.remote(version, 2.0), timeout=CALL_TIMEOUT_S)
             if got["batch"]:
                 at = time.time()
                 handed += [(at, at - g.created_at) for g in got["batch"]]
                 del got
                 version += 1
-                ray.get(queue.set_version.remote(version))
+                ray.get(queue.set_version.remote(version), timeout=CALL_TIMEOUT_S)
             elif got.get("problem"):
                 raise RuntimeError(f"get_batch: {got['problem']}")
         t1 = time.time()
@@ -294,8 +298,8 @@ def run_config(size: str, engines: int, seconds: float, hosts: int, batch_groups
         sampling.set()
         sampler.join(timeout=10)
         rss = procs["queue"].memory_info().rss
-        stats1 = ray.get(queue.stats.remote())
-        records = ray.get([h.stop.remote() for h in host_actors])
+        stats1 = ray.get(queue.stats.remote(), timeout=CALL_TIMEOUT_S)
+        records = ray.get([h.stop.remote() for h in host_actors], timeout=CALL_TIMEOUT_S)
     finally:
         for h in host_actors:
             ray.kill(h)
