@@ -23,7 +23,9 @@ from typing import Any, Callable
 import torch
 
 from async_dapo.config import Config, TinyModelConfig
-from async_dapo.data import PromptRow, encode_prompt, synthetic_distinct_rows, synthetic_response, synthetic_rows
+from async_dapo.data import (
+    PromptRow, walk_rows, walk_shape, WALK_SYLLABLES, encode_prompt, synthetic_distinct_rows, synthetic_response, synthetic_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ BOS = "<|im_start|>"
 PAD = "<|endoftext|>"
 # Frequent words as single tokens keep sequences ~15 tokens long, which is what makes a 0.3M-parameter
 # model learn arithmetic in a minute.
-WORD_TOKENS = ["What is ", "Answer: "]
+WORD_TOKENS = {"arith": ["What is ", "Answer: "], "walk": ["Walk from ", *WALK_SYLLABLES]}
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -56,7 +58,7 @@ class BootstrapReport:
     val_accuracy_by_level: dict[int, float]
 
 
-def build_tokenizer(corpus: list[str], vocab_size: int = 320):
+def build_tokenizer(corpus: list[str], vocab_size: int = 320, words: list[str] = WORD_TOKENS["arith"]):
     """Train a small byte-level BPE tokenizer on ``corpus`` with Qwen2's exact pipeline.
 
     transformers 5 always loads a ``qwen2`` model's tokenizer as ``Qwen2Tokenizer`` (it rebuilds the
@@ -80,7 +82,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 320):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    tok.add_tokens(WORD_TOKENS)
+    tok.add_tokens(words)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=PAD, bos_token=None,
         additional_special_tokens=[BOS],
@@ -184,10 +186,28 @@ def complete(model, tokenizer, rows: list[PromptRow], max_new_tokens: int, n: in
 
 def greedy_accuracy(model, tokenizer, rows: list[PromptRow], max_new_tokens: int) -> list[bool]:
     """Per-row correctness of a greedy completion, scored by the DAPO math reward."""
-    from async_dapo.reward import dapo_math_score
+    from async_dapo.reward import builtin_score
 
     texts = complete(model, tokenizer, rows, max_new_tokens)
-    return [dapo_math_score(t, r.ground_truth).acc for r, (t,) in zip(rows, texts)]
+    return [builtin_score(r.data_source, t, r.ground_truth, r.extra_info).acc for r, (t,) in zip(rows, texts)]
+
+
+def check_tokens(cfg: Config) -> int:
+    """Most tokens a greedy check generates: the whole response budget for the walk task, whose answers are
+    as long as the prompt asks."""
+    task = cfg.data.synthetic
+    return cfg.rollout.max_response_length if task.task == "walk" else CHECK_TOKENS[task.response_style]
+
+
+def task_rows(cfg: Config, split: str, size: int, seed: int, levels: list[int] | None = None) -> list[PromptRow]:
+    """Problems of the configured synthetic task (the target check and the bootstrap report): the arithmetic
+    task's distinct ones; the walk task's as its training draws them (a distinct set of walk problems would be
+    mostly long ones, which its lognormal rarely asks for), so accuracy is weighted as RL will see it."""
+    task = cfg.data.synthetic
+    if task.task == "walk":
+        return walk_rows(split, size, **walk_shape(task), seed=seed)
+    return synthetic_distinct_rows(split, levels=levels or task.levels, heldout_fraction=task.heldout_fraction,
+                                   seed=seed, limit=size)
 
 
 def untrained(cfg: Config) -> tuple[Any, Any, list[PromptRow]]:
@@ -195,11 +215,11 @@ def untrained(cfg: Config) -> tuple[Any, Any, list[PromptRow]]:
     warm start begins from, the same in every call."""
     tc, task = cfg.model.bootstrap, cfg.data.synthetic
     assert tc is not None
-    train = synthetic_rows("train", 20000, levels=task.levels, heldout_fraction=task.heldout_fraction,
-                           seed=tc.seed)
+    train = (walk_rows("train", 20000, **walk_shape(task), seed=tc.seed) if task.task == "walk" else
+             synthetic_rows("train", 20000, levels=task.levels, heldout_fraction=task.heldout_fraction, seed=tc.seed))
     corpus = [f"user\n{r.prompt[0].content}\nassistant\n{synthetic_response(r, task.response_style)}"
               for r in train[:2000]]
-    tokenizer = build_tokenizer(corpus)
+    tokenizer = build_tokenizer(corpus, words=WORD_TOKENS[task.task])
     model = build_model(tc, tokenizer, max_positions=cfg.rollout.engine.context_length or 2048)
     return tokenizer, model, train
 
@@ -217,10 +237,9 @@ class TargetCheck:
         self.level = tc.sft_target_level if tc.sft_target_level is not None else min(task.levels)
         self.target, self.floor, self.every = tc.sft_target_accuracy, tc.sft_level_floor, tc.sft_check_every
         self.checks = tc.sft_target_checks
-        self.rows = {lv: synthetic_distinct_rows("train", levels=[lv], heldout_fraction=task.heldout_fraction,
-                                                 seed=tc.seed, limit=tc.eval_prompts) for lv in task.levels}
+        self.rows = {lv: task_rows(cfg, "train", tc.eval_prompts, tc.seed, [lv]) for lv in task.levels}
         self.model, self.tokenizer = model, tokenizer
-        self.max_tokens = CHECK_TOKENS[task.response_style]
+        self.max_tokens = check_tokens(cfg)
         self.trace: list[tuple[int, float]] = []  # (step, target level's accuracy)
         self.others: dict[int, float] = {}  # the other levels at the last check that measured them
 
@@ -265,7 +284,11 @@ class TargetCheck:
 def _fingerprint(cfg: Config) -> str:
     tc = cfg.model.bootstrap
     assert tc is not None
-    key = {"tiny": tc.model_dump(), "task": cfg.data.synthetic.model_dump(),
+    task = cfg.data.synthetic
+    # the arithmetic task's key leaves out the walk task's fields: models built before they existed still match
+    walk_fields = {"task", "walk_median", "walk_sigma"}
+    key = {"tiny": tc.model_dump(),
+           "task": task.model_dump() if task.task == "walk" else task.model_dump(exclude=walk_fields),
            "ctx": cfg.rollout.engine.context_length, "version": 3}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -291,13 +314,12 @@ def bootstrap(cfg: Config, force: bool = False) -> BootstrapReport:
     torch.set_num_threads(1)  # one thread per busy process: 2 threads on 2 cores ran 10-30x slower
     task = cfg.data.synthetic
     tokenizer, model, train = untrained(cfg)
-    val = synthetic_distinct_rows("val", levels=task.levels, heldout_fraction=task.heldout_fraction,
-                                  seed=tc.seed, limit=tc.eval_prompts)
+    val = task_rows(cfg, "val", tc.eval_prompts, tc.seed)
     check = TargetCheck(cfg, model, tokenizer) if tc.sft_target_accuracy is not None else None
     steps = supervised_warm_start(model, tokenizer, train, tc, after_step=check, style=task.response_style)
     reason = check.reason(steps) if check else f"fixed step count (sft_steps {steps}, no sft_target_accuracy)"
     log.info("warm start stopped after %d steps: %s", steps, reason)
-    most = CHECK_TOKENS[task.response_style]
+    most = check_tokens(cfg)
     val_ok = greedy_accuracy(model, tokenizer, val, max_new_tokens=most)
     train_ok = greedy_accuracy(model, tokenizer, train[-tc.eval_prompts:], max_new_tokens=most)
     by_level = {

@@ -1,4 +1,4 @@
-"""``async-dapo`` command line: bootstrap | eval | train | scale.
+"""``async-dapo`` command line: bootstrap | eval | train | scale | plan.
 
 Config errors print one line (``error: <dotted.key>: <problem>``) and exit 2; a run that cannot go on (a dead
 learner rank, restarts exhausted, a batch that cannot be filled, silence, and any other exception in the
@@ -59,7 +59,59 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running run's logging.run_dir")
     sp.add_argument("--engines", type=_positive, required=True, metavar="N",
                     help="rollout engines wanted, 1 .. placement.max_engines of the run")
+    _plan_parser(sub)
     return p
+
+
+def _plan_parser(sub) -> None:
+    sp = sub.add_parser("plan", help="predict throughput, idle and staleness from a hardware profile "
+                        "(discrete-event model, docs/planning.md); no Ray, no engine")
+    sp.add_argument("--config", type=Path, required=True, help="YAML config file: the run's shape")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
+                    help="override a config field (repeatable); value parsed as YAML")
+    sp.add_argument("--profile", type=Path, required=True, help="profile YAML (configs/profiles/)")
+    sp.add_argument("--steps", type=_positive, default=60, help="steps simulated per plan (first 10 discarded)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the simulated lengths and keep draws")
+    sp.add_argument("--validate", type=Path, default=None, metavar="TABLE.csv",
+                    help="compare with a measured table (tools/bench/throughput.py's throughput.csv)")
+    sp.add_argument("--recommend", action="store_true",
+                    help="search split, eta, weight_sync.every_k_steps and rollout.update_mode")
+    sp.add_argument("--total-gpus", type=_positive, default=None, metavar="N",
+                    help="with --recommend: devices to split between engines and learner ranks")
+    sp.add_argument("--max-mean-staleness", type=float, default=None, metavar="S",
+                    help="with --recommend: the best plan's mean staleness must be <= S")
+
+
+def _plan(cfg: Config, args) -> int:
+    """Print the plan of ``cfg`` on the profile (markdown), and the validation or the search if asked."""
+    from async_dapo import planner as pl
+
+    profile, shape = pl.load_profile(args.profile), pl.Shape.from_config(cfg)
+    warmup = min(10, args.steps // 6)
+    cols = ["plan", "eta", "update_mode", "steps_per_s", "samples_per_s", "gen_tokens_per_s", "learner_idle",
+            "rollout_idle", "occupancy", "tail_share", "staleness_mean", "staleness_max", "step_s", "speedup"]
+    pred = pl.predict(profile, shape, args.steps, warmup, args.seed, sync_baseline=False)
+    sync = pl.predict(profile, shape.synchronous(), args.steps, warmup, args.seed, sync_baseline=False)
+    pred.speedup = pred.steps_per_s / sync.steps_per_s
+    rows = [{"plan": "config", "eta": shape.eta, "update_mode": shape.update_mode, **pred.row()},
+            {"plan": "sync", "eta": 0, "update_mode": shape.update_mode, **sync.row(), "speedup": 1.0}]
+    print(f"## plan: profile {profile.name} ({profile.hardware}); B={shape.B} x G={shape.G}, "
+          f"{shape.num_engines} engine(s), {shape.learner_ranks} learner rank(s), {args.steps} steps "
+          f"(first {warmup} discarded)\n\n{pl.markdown(rows, cols)}\n")
+    if args.validate is not None:
+        res = pl.validate(profile, args.validate, shape, args.steps, warmup, args.seed)
+        vcols = (["mode", "eta"] + [f"{k}_{s}" for k in pl.TOLERANCE for s in ("pred", "meas", "err", "ok")]
+                 + [f"{k}_{s}" for k in pl.COMPARED for s in ("pred", "meas") if f"{k}_meas" in (res or [{}])[0]])
+        print(f"## validation against {args.validate}\n\n{pl.markdown(res, vcols)}\n")
+    if args.recommend:
+        rec = pl.recommend(profile, shape, args.total_gpus, max_mean_staleness=args.max_mean_staleness)
+        rcols = ["engines", "learner_ranks", "eta", "every_k_steps", "update_mode", "samples_per_s",
+                 "steps_per_s", "speedup", "staleness_mean", "staleness_max", "learner_idle", "rollout_idle"]
+        print(f"## search ({len(rec.rows)} plans, {rec.seconds:.1f} s), fastest first\n\n"
+              f"{pl.markdown(rec.rows[:20], rcols)}\n\nbest: " + (", ".join(f"{c} {rec.best[c]:.3g}" if
+              isinstance(rec.best[c], float) else f"{c} {rec.best[c]}" for c in rcols) if rec.best else
+              "none within the staleness bound"))
+    return 0
 
 
 def _bootstrap(cfg: Config, force: bool = False) -> None:
@@ -228,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             cfg = train_run_dir(cfg, args.resume)
+        if args.command == "plan":
+            return _plan(cfg, args)
         if args.command == "bootstrap":
             _bootstrap(cfg, args.force)
         elif args.command == "eval":

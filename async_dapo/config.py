@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -90,8 +90,22 @@ class ModelConfig(_Section):
 
 # ---------------------------------------------------------------------------------------------- data
 class SyntheticTaskConfig(_Section):
-    """Integer arithmetic with difficulty levels (see async_dapo.data.LEVELS)."""
+    """The built-in task: integer arithmetic with difficulty levels (see async_dapo.data.LEVELS), or a walk
+    along a cycle of syllables with a long tail of response lengths (async_dapo.data.walk_rows)."""
 
+    task: Literal["arith", "walk"] = Field(
+        "arith", description="'arith': 'What is 47+8?', answered in 3-5 tokens (or ~16 with response_style "
+        "'steps'). 'walk': 'Walk from qoo.', answered by every syllable from there to the end of a fixed "
+        "cycle of 200 (about 2 tokens each), so the prompt sets the needed response length; the number of "
+        "steps is lognormal (walk_median, walk_sigma), the right-skewed shape of long-CoT RL responses, and "
+        "a response budget truncates the longest. The reward wants the exact sequence "
+        "(async_dapo.reward.walk_score).",
+    )
+    walk_median: float = Field(
+        25, ge=1, le=200, description="task 'walk': median number of steps (syllables) of a problem.")
+    walk_sigma: float = Field(
+        0.8, ge=0, le=3, description="task 'walk': sigma of the log of the number of steps (0 = every "
+        "problem has walk_median steps).")
     levels: list[int] = Field(
         [1, 2, 3, 4], min_length=1, description="Difficulty levels to mix uniformly (1..4)."
     )
@@ -111,6 +125,8 @@ class SyntheticTaskConfig(_Section):
         bad = [lv for lv in self.levels if lv not in (1, 2, 3, 4)]
         if bad:
             raise ValueError(f"unknown level(s) {bad}; known levels are 1, 2, 3, 4")
+        if self.task == "walk" and self.levels != [1]:
+            raise ValueError(f"task 'walk' has one level: levels must be [1], got {self.levels}")
         return self
 
 
@@ -507,6 +523,19 @@ class LoggingConfig(_Section):
 
     run_dir: Path = Field(Path("runs/tiny_cpu"), description="Everything of a run is written here.")
     tensorboard: bool = Field(True, description="Write TensorBoard events to run_dir/tb.")
+    plan_profile: Path | None = Field(
+        None, description="A planner profile (configs/profiles/*.yaml, or one written by "
+        "tools/bench/calibrate.py for this machine): the run predicts its steady-state step time with "
+        "`async-dapo plan`'s model when it starts, and the end-of-run phase table prints predicted against "
+        "measured, so every run checks the model. None = no prediction.",
+    )
+
+    @field_validator("plan_profile")
+    @classmethod
+    def _profile_exists(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"no profile file at {v}")
+        return v
     val_every_steps: int = Field(
         10, ge=0, description="Start a validation every k steps and at the last (0 = never). It runs on every "
         "engine beside training (the learner does not wait) and is logged against the step it started at.",
@@ -914,19 +943,24 @@ def _format_error(exc: ValidationError) -> str:
     return f"{key}: {msg}{more}" if key else f"{msg}{more}"
 
 
+def read_yaml_mapping(path: str | Path, kind: str = "config", error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """The mapping a YAML file holds (empty for an empty file); ``error`` naming the file on any fault."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: {kind} file not found") from None
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML ({exc})") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise error(f"{path}: top level must be a mapping of sections")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load YAML at ``path`` (or defaults), apply ``a.b=c`` overrides, validate; ConfigError on any fault."""
     tree: dict[str, Any] = {}
     if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-        tree = loaded or {}
+        tree = read_yaml_mapping(path)
     for text in overrides or []:
         key, value = parse_override(text)
         _check_path(Config, key)

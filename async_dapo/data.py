@@ -15,14 +15,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if TYPE_CHECKING:
+    from async_dapo.config import SyntheticTaskConfig
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +227,8 @@ def synthetic_response(row: PromptRow, style: Literal["answer", "steps"] = "answ
     'steps' style by the units-digit carry or borrow when there is one, for half of the problems (by hash):
     so the warm-started policy writes both forms and RL can learn the short one under a tight response
     budget (see ``response_style``)."""
+    if row.data_source == WALK_SOURCE:
+        return row.ground_truth  # the walk task has one correct response
     answer = f"Answer: {row.ground_truth}"
     match = _QUESTION.fullmatch(row.prompt[-1].content)
     if style == "answer" or match is None:
@@ -238,6 +244,53 @@ def synthetic_response(row: PromptRow, style: Literal["answer", "steps"] = "answ
     return answer
 
 
+# -------------------------------------------------------------------------------------- walk task
+WALK_SOURCE = "async_dapo/walk"
+# A fixed cycle of 200 syllables (each one token: bootstrap adds them to the tokenizer). "Walk from X."
+# is answered by every syllable from X to the last one, in order: the start sets the needed length.
+WALK_SYLLABLES = [c + v for v in ("a", "e", "i", "o", "u", "ai", "au", "ei", "ou", "oo") for c in "bcdfghjklmnpqrstvwxz"]
+
+
+def walk_response(start: int) -> str:
+    """The one correct response to "Walk from WALK_SYLLABLES[start].": every syllable from there to the end."""
+    return " ".join(WALK_SYLLABLES[start:])
+
+
+def walk_shape(task: SyntheticTaskConfig) -> dict:
+    """walk_rows' distribution arguments from a SyntheticTaskConfig."""
+    return {"median": task.walk_median, "sigma": task.walk_sigma, "heldout_fraction": task.heldout_fraction}
+
+
+def walk_rows(split: Literal["train", "val"], size: int, *, median: float, sigma: float, heldout_fraction: float,
+              seed: int, distinct: bool = False) -> list[PromptRow]:
+    """``size`` rows of the walk task, drawn i.i.d.: the number of steps k (syllables in the answer, about 2
+    tokens each) lognormal(median, sigma), at most 200 — long-CoT RL response lengths are right-skewed, and a
+    response budget truncates the longest. The problem with k steps starts at syllable 200 - k; it belongs
+    to ``split`` by the hash of its text, as the arithmetic task's do. ``distinct``: each problem once, at
+    most as many as the split holds (validation). Deterministic given the arguments."""
+    rng, top = random.Random(f"{seed}-{split}-walk"), len(WALK_SYLLABLES)
+    in_split = {k for k in range(1, top + 1)
+                if _is_heldout(_walk_question(k), heldout_fraction) == (split == "val")}
+    if not in_split:
+        raise ValueError(f"heldout_fraction {heldout_fraction}: the walk task's {split} split is empty")
+    rows: list[PromptRow] = []
+    for _ in range(1000 * size + 100_000):  # bounded: a narrow distribution may miss the split entirely
+        if len(rows) >= (min(size, len(in_split)) if distinct else size):
+            return rows
+        k = max(1, min(top, round(rng.lognormvariate(math.log(median), sigma))))
+        if k not in in_split or (distinct and any(r.extra_info["steps"] == k for r in rows)):
+            continue
+        rows.append(PromptRow(data_source=WALK_SOURCE, prompt=[Message(role="user", content=_walk_question(k))],
+                              ability="walk", reward_model=RewardSpec(style="rule", ground_truth=walk_response(top - k)),
+                              extra_info={"index": len(rows), "level": 1, "split": split, "steps": k}))
+    raise ValueError(f"walk_median {median:g}, walk_sigma {sigma:g}: draws almost never land in the {split} split "
+                     f"(heldout_fraction {heldout_fraction:g}); widen walk_sigma")
+
+
+def _walk_question(steps: int) -> str:
+    return f"Walk from {WALK_SYLLABLES[len(WALK_SYLLABLES) - steps]}."
+
+
 # ------------------------------------------------------------------------------ configured sources
 SYNTHETIC_TRAIN_SIZE = 20_000  # rows of the synthetic training set (levels interleaved)
 
@@ -246,6 +299,8 @@ def train_rows(cfg) -> list[PromptRow]:
     """The training prompts of a run (``cfg``: async_dapo.config.Config), identical in every process."""
     if cfg.data.train == "synthetic":
         t = cfg.data.synthetic
+        if t.task == "walk":
+            return walk_rows("train", SYNTHETIC_TRAIN_SIZE, **walk_shape(t), seed=cfg.data.shuffle_seed)
         return synthetic_rows("train", SYNTHETIC_TRAIN_SIZE, levels=t.levels,
                               heldout_fraction=t.heldout_fraction, seed=cfg.data.shuffle_seed)
     return load_rows(cfg.data.train)
@@ -283,6 +338,8 @@ def val_rows(cfg) -> list[PromptRow]:
     n = cfg.logging.val_prompts
     if cfg.data.val == "synthetic":
         t = cfg.data.synthetic
+        if t.task == "walk":
+            return walk_rows("val", n, **walk_shape(t), seed=cfg.logging.seed, distinct=True)
         return synthetic_distinct_rows("val", levels=t.levels, heldout_fraction=t.heldout_fraction,
                                       seed=cfg.logging.seed, limit=n)
     return distinct_prompt_rows(load_rows(cfg.data.val), str(cfg.data.val))[:n]

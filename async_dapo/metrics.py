@@ -86,17 +86,26 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
     dt = max(dt, 1e-9)
     share = {g.engine_rank for g in batch} | set(now)
     out = {f"rollout/{r}/batch_share": sum(g.engine_rank == r for g in batch) / max(len(batch), 1) for r in share}
-    tokens = idle = 0.0
+    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail"), 0.0)
     for rank, s in now.items():
         b = before.get(rank)
         if b is None or b.get("pid") != s.get("pid"):
-            b = {"gen_tokens": 0, "idle_seconds": 0.0, "groups_sent": 0}
-        d_tok, d_idle = max(0, s["gen_tokens"] - b["gen_tokens"]), max(0.0, s["idle_seconds"] - b["idle_seconds"])
-        tokens, idle = tokens + d_tok, idle + d_idle
-        out.update({f"rollout/{rank}/gen_tokens_per_s": d_tok / dt,
-                    f"rollout/{rank}/groups_per_s": max(0, s["groups_sent"] - b["groups_sent"]) / dt,
-                    f"rollout/{rank}/idle_ratio": min(1.0, d_idle / dt), f"rollout/{rank}/version": float(s["version"])})
-    return out, {"gen_tokens_per_s": tokens / dt, "rollout_idle_ratio": min(1.0, idle / dt / max(len(now), 1))}
+            b = {}
+        d = {k: max(0.0, s.get(k, 0.0) - b.get(k, 0.0))
+             for k in ("gen_tokens", "idle_seconds", "groups_sent", "seq_seconds", "tail_seconds")}
+        occupancy = d["seq_seconds"] / dt / max(s.get("batch_seqs", 1), 1)
+        for key, value in zip(totals, (d["gen_tokens"], d["idle_seconds"], occupancy, d["tail_seconds"])):
+            totals[key] += value
+        out.update({f"rollout/{rank}/gen_tokens_per_s": d["gen_tokens"] / dt,
+                    f"rollout/{rank}/groups_per_s": d["groups_sent"] / dt,
+                    f"rollout/{rank}/idle_ratio": min(1.0, d["idle_seconds"] / dt),
+                    f"rollout/{rank}/occupancy": occupancy, f"rollout/{rank}/tail_ratio": min(1.0, d["tail_seconds"] / dt),
+                    f"rollout/{rank}/version": float(s["version"])})
+    engines = max(len(now), 1)
+    return out, {"gen_tokens_per_s": totals["tokens"] / dt,
+                 "rollout_idle_ratio": min(1.0, totals["idle"] / dt / engines),
+                 "rollout_occupancy": totals["occupancy"] / engines,
+                 "rollout_tail_ratio": min(1.0, totals["tail"] / dt / engines)}
 
 
 def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,
@@ -116,6 +125,8 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
         "perf/train_tokens_per_s": learner["train_tokens"] / max(learner["train_s"], 1e-9),
         "perf/learner_idle_ratio": min(1.0, timing["wait_data_s"] / step_s),
         "perf/rollout_idle_ratio": timing["rollout_idle_ratio"],
+        "perf/rollout_occupancy": timing.get("rollout_occupancy", 0.0),
+        "perf/rollout_tail_ratio": timing.get("rollout_tail_ratio", 0.0),
         "train/version": float(learner["version"]),
     })
     return out

@@ -73,6 +73,8 @@ class Run:
         self._val_rows: list | None = None
         self._val: dict[str, Any] | None = None  # the validation in flight (see _collect_validation)
         self._val_skipped = 0  # validations not started because the previous one was still running
+        self._predicted_s: float | None = None  # the planner's step time (logging.plan_profile)
+        self._step_times: list[float] = []
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
@@ -87,9 +89,26 @@ class Run:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._shutdown()
-        log.info(self.clock.table())
+        log.info(self.clock.table() + self._predicted_line())
         if isinstance(exc, RunFailed):  # one line: what failed, where to resume from
             raise RunFailed(f"{exc}; last checkpoint: {self.last_checkpoint()}") from None
+
+    def _predict(self) -> None:
+        """The planner's steady-state step time for this run (logging.plan_profile), said at the start."""
+        from async_dapo.planner import predicted_step_s
+
+        self._predicted_s = predicted_step_s(self.cfg.logging.plan_profile, self.cfg)
+        log.info("planner (%s): %.3f s per step predicted", self.cfg.logging.plan_profile, self._predicted_s)
+
+    def _predicted_line(self) -> str:
+        """Predicted against measured step time, the measured one over the steps after the planner's warm-up
+        (a quarter of the run, at most 10 steps, as the planner discards)."""
+        times = self._step_times[min(10, len(self._step_times) // 4):]
+        if self._predicted_s is None or not times:
+            return ""
+        measured = sum(times) / len(times)
+        return (f"\n  {'step (planner)':<18} {self._predicted_s:8.3f} s predicted, {measured:.3f} s measured "
+                f"over {len(times)} steps ({measured / self._predicted_s - 1:+.0%})")
 
     def last_checkpoint(self) -> str:
         return checkpoints.last_checkpoint(self.dir.path)
@@ -115,6 +134,8 @@ class Run:
         if self.resume is None and (moved := checkpoints.archive_previous_run(self.dir.path)) is not None:
             log.info("run_dir %s held an earlier run: moved it to %s", self.dir.path, moved)
         dump_config(cfg, self.dir.config)
+        if cfg.logging.plan_profile is not None:
+            self._predict()
         self.dir.drop_scale_request()
         if not ray.is_initialized():
             with self.clock.phase("ray_start"):
@@ -281,6 +302,7 @@ class Run:
         m["rollout/engine_restarts"] = float(self.supervisor.restarts)
         m["rollout/engines_starting"] = float(len(self.supervisor.starting))
         m["val/skipped"] = float(self._val_skipped)
+        self._step_times.append(m["perf/time_per_step"])
         self.metrics.write(step, m)
         self.step = step
         self._steps_done += 1

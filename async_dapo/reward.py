@@ -235,10 +235,23 @@ def overlong_penalty(
 ScoreFn = Callable[[str, str, str, dict], RewardResult]
 
 
+def walk_score(solution: str, ground_truth: str) -> RewardResult:
+    """The walk task's rule (async_dapo.data.walk_rows): correct iff the response's whitespace-separated
+    words are exactly the ground truth's syllables. The whole sequence is checked, not a final answer, so a
+    response cannot be right without being as long as the prompt asks."""
+    words = solution.split()
+    return _result(words == ground_truth.split(), words[-1] if words else INVALID_PRED)
+
+
 def builtin_score(data_source: str, solution: str, ground_truth: str, extra_info: dict, *,
                   strict_box_verify: bool = False, boxed_fallback: str = "off") -> RewardResult:
-    """The default scorer: :func:`dapo_math_score` (the data source does not matter). With the
-    defaults it is verl's ``math_dapo`` in its Answer-line mode."""
+    """The default scorer, chosen by data source as verl's ``default_compute_score`` does: the built-in walk
+    task's :func:`walk_score`, else :func:`dapo_math_score` (verl's ``math_dapo`` in its Answer-line mode
+    with the defaults)."""
+    from async_dapo.data import WALK_SOURCE
+
+    if data_source == WALK_SOURCE:
+        return walk_score(solution, ground_truth)
     return dapo_math_score(solution, ground_truth, strict_box_verify=strict_box_verify,
                            boxed_fallback=boxed_fallback)
 

@@ -54,6 +54,7 @@ from async_dapo.wire import Group, OversizedMessage, Sample
 log = logging.getLogger(__name__)
 
 
+OCCUPANCY_EVERY_S = 0.05  # the engine's running sequences are sampled this often (a dict length: cheap)
 ADMIT_WAIT_S = 5.0  # one admit call waits at most this long in the queue: the producer stays responsive
 CANCEL_GRACE_S = 10.0  # after a timeout, how long a cancelled call may take to abort its engine requests
 
@@ -134,6 +135,10 @@ class _Stats:
     updates: int = 0
     update_seconds: float = 0.0
     idle_seconds: float = 0.0  # time the producer waited for admission with nothing in flight
+    # Occupancy, sampled every OCCUPANCY_EVERY_S from the engine's request table: running sequences x seconds,
+    # and seconds during which the engine ran some but fewer than half of the max_inflight_prompts x n it may.
+    seq_seconds: float = 0.0
+    tail_seconds: float = 0.0
     started_at: float = field(default_factory=time.time)
 
 
@@ -336,9 +341,29 @@ class EngineSession:
             raise TimeoutError(f"rollout actor {self.rank}: {what}: no answer from the replay queue in "
                                f"{timeout:.0f} s (placement.call_timeout_s)") from None
 
+    async def _sample_occupancy(self) -> None:
+        """Integrate the engine's running sequences over time (rollout/<rank>/occupancy and tail_ratio): how
+        full the engine's batch is, and how long it runs a tail of a few long responses."""
+        cap = self.cfg.rollout.max_inflight_prompts * self.cfg.rollout.n
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(OCCUPANCY_EVERY_S)
+            now, running = time.perf_counter(), len(self.tm.rid_to_state)
+            self.stats.seq_seconds += running * (now - last)
+            if 0 < running < cap / 2:
+                self.stats.tail_seconds += now - last
+            last = now
+
     async def produce(self, queue) -> None:
         """Admit prompts while the queue allows, keep up to max_inflight_prompts groups running."""
         self.queue = queue
+        sampler = asyncio.ensure_future(self._sample_occupancy())
+        try:
+            await self._produce(queue)
+        finally:
+            sampler.cancel()
+
+    async def _produce(self, queue) -> None:
         incarnation = uuid.uuid4().hex  # this process: a replacement of the same rank registers anew
         await self._queue_call(queue.register_producer.remote(self.rank, incarnation), "register")
         cap = self.cfg.rollout.max_inflight_prompts
@@ -531,7 +556,8 @@ class RolloutWorker:
     def get_stats(self) -> dict[str, float]:
         s = self.session.stats
         return {**s.__dict__, "version": self.session.version, "inflight": len(self.session.inflight), "pid": os.getpid(),
-                "wall_seconds": time.time() - s.started_at}
+                "wall_seconds": time.time() - s.started_at,
+                "batch_seqs": self.session.cfg.rollout.max_inflight_prompts * self.session.cfg.rollout.n}
 
     def shutdown(self) -> None:
         if self._producer is not None:

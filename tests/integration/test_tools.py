@@ -69,3 +69,29 @@ def test_ablate_staleness_quick(tmp_path):
     # resumable: a second invocation finds both runs finished and runs nothing
     again = _run(["tools/study/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 600)
     assert again.count("finished earlier") == 2
+
+
+def test_calibrate_quick(tmp_path):
+    """The planner's calibration (roles alone) writes a valid profile whose figures the planner can use."""
+    from async_dapo.config import load_config
+    from async_dapo.planner import Shape, load_profile, predict
+
+    out = tmp_path / "tiny.yaml"
+    log = _run(["tools/bench/calibrate.py", "--config", "configs/tiny_cpu.yaml", "--model", "models/tiny_cpu",
+                "--out", str(out), "--quick"], 600)
+    profile = load_profile(out)
+    for part in (profile.engine, profile.learner, profile.push, profile.contention):
+        for key, value in part.model_dump().items():
+            assert math.isfinite(float(value)) and float(value) >= 0, (key, value)
+    e = profile.engine
+    assert e.decode_base_s + e.decode_per_seq_s > 0 and e.max_running_seqs >= 1
+    assert profile.learner.per_token_s > 0 and profile.push.bytes > 0
+    assert profile.contention.engine_slowdown >= 1 and profile.contention.learner_slowdown >= 1
+    w = profile.workload
+    assert w.response_lengths and min(w.response_lengths) >= 1 and 0 < w.keep_rate <= 1 and w.prompt_tokens > 0
+    assert {"decode", "learner", "push", "contention", "per_group_s"} <= set(profile.sources)
+    pred = predict(profile, Shape.from_config(load_config(REPO / "configs/tiny_cpu.yaml", [])), steps=20, warmup=4)
+    assert math.isfinite(pred.steps_per_s) and pred.steps_per_s > 0
+    for ratio in (pred.learner_idle, pred.rollout_idle, pred.occupancy, pred.tail_share):
+        assert 0 <= ratio <= 1
+    assert "calibrated " in log

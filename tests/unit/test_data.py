@@ -267,3 +267,45 @@ def test_source_name():
     assert source_name(cfg, "val") == "/data/aime-2024.parquet"
     with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
         source_name(cfg, "test")
+
+
+# ------------------------------------------------------------------------------------- walk task
+def test_walk_rows_lengths_follow_the_lognormal_and_the_answer_is_the_rest_of_the_cycle():
+    from async_dapo.data import WALK_SOURCE, WALK_SYLLABLES, walk_rows
+
+    assert len(WALK_SYLLABLES) == len(set(WALK_SYLLABLES)) == 200
+    rows = walk_rows("train", 4000, median=25, sigma=0.8, heldout_fraction=0.3, seed=0)
+    assert rows == walk_rows("train", 4000, median=25, sigma=0.8, heldout_fraction=0.3, seed=0)
+    row = rows[0]
+    k = row.extra_info["steps"]
+    start = WALK_SYLLABLES[200 - k]
+    assert row.data_source == WALK_SOURCE and row.prompt[0].content == f"Walk from {start}."
+    assert row.ground_truth.split() == WALK_SYLLABLES[200 - k:] and row.ground_truth.split()[-1] == "zoo"
+    steps = sorted(r.extra_info["steps"] for r in rows)
+    median = steps[len(steps) // 2]
+    assert 19 <= median <= 31  # lognormal median 25, less the held-out step counts
+    # right-skewed: P(k > 5 x 25) = P(Z > ln 5 / 0.8 = 2.01) = 2.2 % of the lognormal
+    assert 0.005 < sum(s > 125 for s in steps) / len(steps) < 0.05
+    assert steps[-1] <= 200 and steps[0] >= 1
+
+
+def test_walk_splits_are_disjoint_and_validation_rows_distinct():
+    from async_dapo.data import walk_rows
+
+    train = {r.prompt[0].content for r in walk_rows("train", 3000, median=25, sigma=0.8, heldout_fraction=0.3, seed=0)}
+    val = walk_rows("val", 1000, median=25, sigma=0.8, heldout_fraction=0.3, seed=0, distinct=True)
+    texts = [r.prompt[0].content for r in val]
+    assert len(texts) == len(set(texts)) and not set(texts) & train
+    assert 30 < len(val) < 90  # the split's distinct problems (about 30 % of 200), fewer than asked
+    assert len(walk_rows("val", 5, median=25, sigma=0.8, heldout_fraction=0.3, seed=0, distinct=True)) == 5
+
+
+def test_walk_response_is_the_reference_answer():
+    from async_dapo.data import _is_heldout, synthetic_response, walk_rows
+
+    split = "val" if _is_heldout("Walk from woo.", 0.3) else "train"  # the 3-step problem
+    row = walk_rows(split, 1, median=3, sigma=0.0, heldout_fraction=0.3, seed=0)[0]
+    assert synthetic_response(row, "steps") == row.ground_truth == "woo xoo zoo"
+    other = "train" if split == "val" else "val"
+    with pytest.raises(ValueError, match=f"walk_median 3, walk_sigma 0: .* {other} split"):
+        walk_rows(other, 1, median=3, sigma=0.0, heldout_fraction=0.3, seed=0)

@@ -265,3 +265,23 @@ def test_older_runs_rows_read_under_the_new_names():
     # Old names are gone, except the two verl names that now carry verl's meaning.
     assert not set(RENAMED_TAGS) - {"actor/pg_clipfrac_lower", "actor/grad_norm"} & set(documented_tags)
     assert not [t for t in documented_tags if t.startswith("queue/")]
+
+
+def test_fleet_metrics_occupancy_and_tail_are_per_engine_deltas_over_the_window():
+    """Two engines over a 2 s window; each may run batch_seqs = 10 sequences. Engine 0 ran 12 sequence-seconds
+    (6 on average: occupancy 0.6) with 0.5 s of tail; engine 1 is a replacement (new pid): it counts from zero,
+    8 sequence-seconds (0.4) and 1.0 s of tail."""
+    before = {0: {"gen_tokens": 100, "idle_seconds": 1.0, "groups_sent": 3, "seq_seconds": 30.0, "tail_seconds": 2.0,
+                  "pid": 1, "version": 1, "batch_seqs": 10},
+              1: {"gen_tokens": 50, "idle_seconds": 0.0, "groups_sent": 1, "seq_seconds": 99.0, "tail_seconds": 9.0,
+                  "pid": 2, "version": 1, "batch_seqs": 10}}
+    now = {0: {**before[0], "gen_tokens": 140, "seq_seconds": 42.0, "tail_seconds": 2.5, "version": 2},
+           1: {**before[1], "pid": 3, "gen_tokens": 20, "seq_seconds": 8.0, "tail_seconds": 1.0, "version": 2}}
+    per_engine, fleet = fleet_metrics(now, before, 2.0, GROUPS)
+    assert per_engine["rollout/0/occupancy"] == pytest.approx(0.6)
+    assert per_engine["rollout/0/tail_ratio"] == pytest.approx(0.25)
+    assert per_engine["rollout/1/occupancy"] == pytest.approx(0.4)
+    assert per_engine["rollout/1/tail_ratio"] == pytest.approx(0.5)
+    assert fleet["rollout_occupancy"] == pytest.approx(0.5)
+    assert fleet["rollout_tail_ratio"] == pytest.approx(0.375)
+    assert fleet["gen_tokens_per_s"] == pytest.approx((40 + 20) / 2.0)

@@ -399,3 +399,17 @@ def test_overlong_penalty_is_monotone_and_bounded(max_len: int, data, factor: fl
     b = data.draw(st.integers(a, 2 * max_len))
     pa, pb = (overlong_penalty(x, max_len, buffer, factor) for x in (a, b))
     assert -factor <= pb <= pa <= 0.0
+
+
+def test_walk_score_wants_the_whole_sequence() -> None:
+    from async_dapo.data import WALK_SOURCE
+    from async_dapo.reward import builtin_score, walk_score
+
+    truth = "voo woo xoo zoo"
+    assert walk_score("voo woo xoo zoo", truth) == RewardResult(1.0, True, "zoo")
+    assert walk_score(" voo  woo\nxoo zoo ", truth).acc  # whitespace is not the task
+    assert walk_score("voo xoo zoo", truth) == RewardResult(-1.0, False, "zoo")  # a skipped step
+    assert walk_score("voo woo xoo", truth).acc is False  # truncated
+    assert walk_score("", truth) == RewardResult(-1.0, False, INVALID_PRED)
+    assert builtin_score(WALK_SOURCE, "voo woo xoo zoo", truth, {}).acc
+    assert not builtin_score("async_dapo/arith", "voo woo xoo zoo", truth, {}).acc  # math rules elsewhere

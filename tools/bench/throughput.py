@@ -27,9 +27,17 @@ slower role never waits), g being the mode's own. Rates and ratios are time-weig
 steps (sum over steps, not a mean of per-step ratios). Writes OUT/<preset>/throughput.{md,csv,png}; prints
 the tables.
 
+Per mode also: its ``update_mode`` (rollout.update_mode), ``occupancy`` (time-weighted
+``perf/rollout_occupancy``: running sequences / (max_inflight_prompts x n)) and ``tail_share`` (time-weighted
+``perf/rollout_tail_ratio``: share of time the engine runs some but fewer than half of them). The CSV's
+mode, eta, update_mode and measured columns are what ``async-dapo plan --validate TABLE.csv`` reads.
+
 Presets: ``default`` is configs/tiny_cpu.yaml as shipped (generation-bound on 2 cores); ``balanced`` makes the
 learner step heavier (``learner.epochs=2``: each batch is trained twice) so that g and t are close and the
-overlap gain is visible. ``--quick``: eta 0 and 2 only, B = 16, 6 steps (2 discarded): a CI-size smoke whose
+overlap gain is visible. ``longtail`` is configs/longtail_cpu.yaml with models/longtail_cpu (its own config
+and model, not --config/--model): sync plus eta 1, 2, 4 x update mode inflight, drain, abort (``eta2-drain``);
+g is measured per eta, not per update mode (nothing is updated with no learner); its ``--quick`` runs sync,
+eta2-inflight and eta2-abort. ``--quick``: eta 0 and 2 only, B = 16, 6 steps (2 discarded): a CI-size smoke whose
 numbers are not results.
 """
 
@@ -46,25 +54,36 @@ from common import (  # noqa: E402
     check_reusable, finished, load_config, parser, records, run_train, step_records, write_table,
 )
 
-MODES = {"sync": 0, "eta1": 1, "eta2": 2, "eta4": 4}
-QUICK_MODES = {"sync": 0, "eta2": 2}
+MODES = {"sync": (0, "inflight"), "eta1": (1, "inflight"), "eta2": (2, "inflight"), "eta4": (4, "inflight")}
+QUICK_MODES = {"sync": (0, "inflight"), "eta2": (2, "inflight")}
+# longtail: every eta x update mode (the long tail is where the update modes differ)
+LONGTAIL_MODES = {"sync": (0, "inflight")} | {f"eta{eta}-{mode}": (eta, mode) for eta in (1, 2, 4)
+                                              for mode in ("inflight", "drain", "abort")}
+LONGTAIL_QUICK = {"sync": (0, "inflight"), "eta2-inflight": (2, "inflight"), "eta2-abort": (2, "abort")}
+# name -> (config (None: --config), model (None: --model), sets)
 PRESETS = {
-    "default": [],
-    "balanced": ["learner.epochs=2"],
+    "default": (None, None, []),
+    "balanced": (None, None, ["learner.epochs=2"]),
+    "longtail": ("configs/longtail_cpu.yaml", "models/longtail_cpu", []),
 }
+PRESET_MODES = {"longtail": (LONGTAIL_MODES, LONGTAIL_QUICK)}
 QUICK = ["algorithm.train_batch_groups=16", "learner.mini_batch_groups=8"]
 COMMON = ["logging.val_every_steps=0", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
           "model.bootstrap=null"]
-COLUMNS = ["mode", "eta", "steps_per_s", "samples_per_s", "gen_tokens_per_s", "trained_tokens_per_s",
+COLUMNS = ["mode", "eta", "update_mode", "steps_per_s", "samples_per_s", "gen_tokens_per_s", "trained_tokens_per_s",
            "learner_idle", "rollout_idle", "staleness_mean", "staleness_max", "push_s", "stall_per_push_s",
-           "speedup", "ideal_speedup", "overlap_efficiency", "g_s", "t_s"]
-FMT = {c: ".3f" for c in COLUMNS if c not in ("mode", "eta")} | {"samples_per_s": ".1f", "gen_tokens_per_s": ".0f",
+           "speedup", "ideal_speedup", "overlap_efficiency", "g_s", "t_s", "occupancy", "tail_share"]
+TEXT = ("mode", "eta", "update_mode")
+FMT = {c: ".3f" for c in COLUMNS if c not in TEXT} | {"samples_per_s": ".1f", "gen_tokens_per_s": ".0f",
                                                                   "trained_tokens_per_s": ".0f"}
 
 
-def mode_sets(cfg, eta: int, run_dir: Path, steps: int) -> list[str]:
+def mode_sets(cfg, eta: int, run_dir: Path, steps: int, update_mode: str = "inflight") -> list[str]:
     window = (eta + 1) * cfg.algorithm.train_batch_groups
-    return [f"replay.max_staleness={eta}", f"rollout.max_inflight_prompts={window}",
+    drain = []  # the config's rule: a drain must end before the learner's side of the push times out
+    if update_mode == "drain" and cfg.rollout.drain_timeout_s >= cfg.weight_sync.timeout_s:
+        drain = [f"rollout.drain_timeout_s={cfg.weight_sync.timeout_s / 2:g}"]
+    return [*drain, f"replay.max_staleness={eta}", f"rollout.update_mode={update_mode}", f"rollout.max_inflight_prompts={window}",
             f"replay.capacity_groups={max(window, cfg.replay.capacity_groups)}", f"learner.total_steps={steps}",
             f"logging.run_dir={run_dir}"]
 
@@ -86,7 +105,26 @@ def summarize(run_dir: Path, cfg, warmup: int) -> dict:
             "staleness_mean": statistics.mean(r["staleness/mean"] for r in steps),
             "staleness_max": max(r["staleness/max"] for r in steps),
             "push_s": statistics.mean(r["perf/weight_push_s"] for r in steps),
+            "occupancy": weighted("perf/rollout_occupancy"), "tail_share": weighted("perf/rollout_tail_ratio"),
             "stall_per_push_s": statistics.mean(pushes)}
+
+
+def collect_batches(placed, warmup: int, count: int, timeout_s: float, what: str, mark=time.perf_counter):
+    """Start the placed rollouts and take ``warmup + count`` batches from the replay queue (with nobody
+    training); ``mark()`` is called when the warm-up batches are out, where the measured window starts.
+    Returns (the batches, mark()'s value at the window's start)."""
+    placed.start_rollouts()
+    batches, start, deadline = [], mark(), time.monotonic() + timeout_s
+    while len(batches) < warmup + count:
+        got = placed.get(placed.replay.get_batch.remote(None, 5.0), "replay get_batch", 60)
+        if got["batch"] is None:
+            if got["problem"] or time.monotonic() > deadline:
+                raise SystemExit(f"{what}: no batch ({got['problem'] or f'{timeout_s:.0f} s'})")
+            continue
+        batches.append(got["batch"])
+        if len(batches) == warmup:
+            start = mark()
+    return batches, start
 
 
 def generate_only(cfg, warmup: int, count: int, timeout_s: float) -> tuple[float, list]:
@@ -100,17 +138,7 @@ def generate_only(cfg, warmup: int, count: int, timeout_s: float) -> tuple[float
     placed = None
     try:
         placed = place(cfg)
-        placed.start_rollouts()
-        batches, t0, deadline = [], time.perf_counter(), time.monotonic() + timeout_s
-        while len(batches) < warmup + count:
-            got = placed.get(placed.replay.get_batch.remote(None, 5.0), "replay get_batch", 60)
-            if got["batch"] is None:
-                if got["problem"] or time.monotonic() > deadline:
-                    raise SystemExit(f"generation-only phase: no batch ({got['problem'] or f'{timeout_s:.0f} s'})")
-                continue
-            batches.append(got["batch"])
-            if len(batches) == warmup:  # the window starts when the warm-up batches are out
-                t0 = time.perf_counter()
+        batches, t0 = collect_batches(placed, warmup, count, timeout_s, "generation-only phase")
         return (time.perf_counter() - t0) / count, batches
     finally:
         if placed is not None:
@@ -166,52 +194,66 @@ def plot(rows: list[dict], g: float, t: float, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def measure_roles(args, cfg, sets: list[str], modes: dict[str, int]) -> tuple[dict[str, float], float]:
-    """({mode: g}, t): each mode's generation alone at its own concurrency, then training alone on the
-    batches of the synchronous (B in flight) generation phase."""
+def measure_roles(args, config, cfg, sets: list[str], modes: dict) -> tuple[dict[int, float], float]:
+    """({eta: g}, t): each eta's generation alone at its own concurrency (one per eta, not per update mode:
+    with no learner there is no update), then training alone on the batches of the synchronous (B in
+    flight) generation phase."""
     count = max(2, args.steps - 2 * args.warmup)
     g, batches = {}, {}
-    for name, eta in modes.items():
+    for eta in sorted({eta for eta, _ in modes.values()}):
         window = (eta + 1) * cfg.algorithm.train_batch_groups
-        role_cfg = load_config(args.config, sets + ["replay.max_staleness=1000", "replay.capacity_groups=1000000",
+        role_cfg = load_config(config, sets + ["replay.max_staleness=1000", "replay.capacity_groups=1000000",
                                                     f"rollout.max_inflight_prompts={window}"])
-        g[name], batches[eta] = generate_only(role_cfg, args.warmup, count, args.run_timeout)
+        g[eta], batches[eta] = generate_only(role_cfg, args.warmup, count, args.run_timeout)
     return g, train_only(cfg, batches[min(batches)], args.warmup)
+
+
+def preset_paths(args, preset: str) -> tuple[str, Path]:
+    """The preset's config and model: its own where it names them, else --config and --model."""
+    config, model, _ = PRESETS[preset]
+    model = Path(model) if model is not None else args.model
+    if not (model / "config.json").exists():
+        raise SystemExit(f"preset {preset}: no model at {model}; build it with `async-dapo bootstrap --config "
+                         f"{config or args.config}`")
+    return config or args.config, model
 
 
 def bench_preset(args, preset: str) -> list[dict]:
     out = args.out / preset
-    sets = [*COMMON, f"model.path={args.model.resolve()}", *PRESETS[preset], *(QUICK if args.quick else []),
+    config, model = preset_paths(args, preset)
+    sets = [*COMMON, f"model.path={model.resolve()}", *PRESETS[preset][2], *(QUICK if args.quick else []),
             *args.overrides]
-    cfg = load_config(args.config, sets)
-    modes = QUICK_MODES if args.quick else MODES
+    cfg = load_config(config, sets)
+    full, quick = PRESET_MODES.get(preset, (MODES, QUICK_MODES))
+    modes = quick if args.quick else full
     rows = []
-    for name, eta in modes.items():
+    for name, (eta, update_mode) in modes.items():
         run_dir = (out / name).resolve()
+        run_sets = sets + mode_sets(cfg, eta, run_dir, args.steps, update_mode)
         if args.resume and finished(run_dir, args.steps):
-            check_reusable(run_dir, args.config, sets + mode_sets(cfg, eta, run_dir, args.steps))
+            check_reusable(run_dir, config, run_sets)
         else:
-            rc = run_train(args.config, sets + mode_sets(cfg, eta, run_dir, args.steps), out / f"{name}.log",
-                           args.run_timeout)
+            rc = run_train(config, run_sets, out / f"{name}.log", args.run_timeout)
             if rc != 0:
                 raise SystemExit(f"{preset}/{name}: exit {rc} (see {out / f'{name}.log'})")
-        rows.append({"mode": name, "eta": eta, **summarize(run_dir, cfg, args.warmup)})
+        rows.append({"mode": name, "eta": eta, "update_mode": update_mode, **summarize(run_dir, cfg, args.warmup)})
         print(f"{preset}/{name}: {rows[-1]['steps_per_s']:.3f} steps/s", flush=True)
-    g, t = measure_roles(args, cfg, sets, modes)
+    g, t = measure_roles(args, config, cfg, sets, modes)
     sync = rows[0]["steps_per_s"]
     for r in rows:
-        gm = g[r["mode"]]
-        r.update(speedup=r["steps_per_s"] / sync, ideal_speedup=(g[rows[0]["mode"]] + t) / max(gm, t),
+        gm = g[r["eta"]]
+        r.update(speedup=r["steps_per_s"] / sync, ideal_speedup=(g[rows[0]["eta"]] + t) / max(gm, t),
                  overlap_efficiency=r["steps_per_s"] * max(gm, t), g_s=gm, t_s=t)
-    bad = [(r["mode"], c) for r in rows for c in COLUMNS[2:] if not math.isfinite(r[c])]
+    bad = [(r["mode"], c) for r in rows for c in COLUMNS if c not in TEXT and not math.isfinite(r[c])]
     if bad:
         raise SystemExit(f"non-finite figures: {bad}")
     head = (f"preset {preset}: B={cfg.algorithm.train_batch_groups} groups x G={cfg.rollout.n}, {args.steps} steps "
-            f"per mode, first {args.warmup} discarded; g = " + ", ".join(f"{k} {v:.3f}" for k, v in g.items())
+            f"per mode, first {args.warmup} discarded; g = " + ", ".join(
+                f"{'sync' if k == 0 else f'eta{k}'} {v:.3f}" for k, v in g.items())
             + f" s; t = {t:.3f} s")
     table = write_table(rows, COLUMNS, out / "throughput.md", out / "throughput.csv", FMT)
     (out / "throughput.md").write_text(head + "\n\n" + table)
-    plot(rows, g[rows[0]["mode"]], t, out / "throughput.png", head)
+    plot(rows, g[rows[0]["eta"]], t, out / "throughput.png", head)
     print(f"\n{head}\n\n{table}", flush=True)
     return rows
 
@@ -230,8 +272,8 @@ def main() -> None:
     args = ap.parse_args()
     args.steps = args.steps or (6 if args.quick else 60)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
-    if not (args.model / "config.json").exists():
-        raise SystemExit(f"--model {args.model}: no model there; build it with `async-dapo bootstrap --config {args.config}`")
+    for preset in args.preset:
+        preset_paths(args, preset)  # every preset's model is there before the first run starts
     for preset in args.preset:
         bench_preset(args, preset)
 

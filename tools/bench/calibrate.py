@@ -1,0 +1,539 @@
+"""Calibrate the planner (async_dapo/planner.py) on this machine: measure each role ALONE and write a planner
+profile YAML (the schema of ``async_dapo.planner.Profile``, validated before it is written).
+
+    python tools/bench/calibrate.py --config configs/tiny_cpu.yaml [--set k=v ...] [--model models/tiny_cpu]
+                                    --out runs/calibrate/<name>.yaml [--quick] [--phases engine actor ...]
+
+It never looks at a coupled (train + generate) run: every figure comes from one role running by itself,
+except the contention phase, where the two roles run at once but are NOT coupled (no weight push, no
+admission by version; the learner re-trains old batches).
+
+Phases (one Ray instance per placement, ``placement.place(cfg)`` as tools/bench/throughput.py does):
+
+a. ``engine``: a bare in-process ``sglang.Engine`` (async_dapo.engine.start_engine: the rollout actor's own
+   engine arguments) on the config's training prompts (data.encode_prompt), fixed-length generations
+   (``ignore_eos``) of L tokens for n sequences; each (n, L) also with ``max_new_tokens = 1`` (the prefill).
+   Per-iteration seconds = (wall(n, L) - wall(n, 1)) / (L - 1), fitted by least squares to
+   a + b·n + c·K with K = n·(prompt_tokens + L/2) (negatives clipped to 0) -> decode_base_s,
+   decode_per_seq_s, decode_per_ctx_token_s; prefill_per_token_s = slope of wall(n, 1) over the prompt
+   tokens. max_running_seqs = min(max_inflight_prompts × n, max_total_tokens / (prompt + max_response/2)).
+   Points whose context would not fit in max_total_tokens are skipped (the engine would queue them).
+b. ``actor``: generation alone through the real rollout actor and replay queue (as throughput.generate_only,
+   with the config's window: rollout.max_inflight_prompts; the queue's staleness and capacity opened so
+   admission never binds). Gives workload.response_lengths (every sample of the accepted batches),
+   prompt_tokens, keep_rate = accepted / (accepted + dynamic-sampling drops) from the queue's counters, and
+   per_group_s = max(0, (measured s/batch - planner's s/batch) / groups received per batch), the planner's
+   figure being the planner itself run with per_group_s = 0, a free learner and no push (same window,
+   keep_rate and lengths).
+c. ``learner``: the batches of b replayed into the learner ranks with the engines idle (as
+   throughput.train_only): step seconds fitted to step_base_s + epochs · per_token_s · tokens / R, tokens =
+   prompt + response tokens of the batch; when the token counts vary by < 10 %, step_base_s = 0 and
+   per_token_s = mean s / mean tokens.
+d. ``push``: weight pushes learner -> engines with the engines idle (as tools/bench/push.py): the sender's
+   push_s, the engine's own update seconds (engine_pause_s), the learner's stall (push call); bandwidth from
+   push.py's raw gloo broadcast of the same bytes, base_s = max(0, push_s - bytes / bandwidth).
+e. ``contention``: the engines generate (as in b) while the learner re-trains the batches of c in a loop:
+   engine_slowdown = alone received-groups/s / overlapped, learner_slowdown = overlapped step s / alone
+   (both clipped at >= 1.0).
+
+``--quick``: fewer points and batches (a CI-size smoke, about 3 minutes with the tiny model on 2 cores; its
+numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
+(an earlier profile) or, for push and contention only, neutral values (free push, no contention). c and e
+need b's batches.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tools/: common.py
+sys.path.insert(0, str(HERE))  # tools/bench/: throughput.py, push.py
+import common  # noqa: E402
+
+PHASES = ("engine", "actor", "learner", "push", "contention")
+ROLE_SETS = ["replay.max_staleness=1000", "replay.capacity_groups=1000000"]  # admission never binds (throughput)
+
+
+def _now() -> str:
+    return datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+
+
+def _finite(x: float) -> float:
+    if not math.isfinite(x):
+        raise SystemExit(f"non-finite figure {x}")
+    return float(x)
+
+
+# ------------------------------------------------------------------------------------------ a. engine
+def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
+    """(engine profile part without per_group_s, sources, mean prompt tokens of the prompts used)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from async_dapo.data import encode_prompt, train_rows
+    from async_dapo.engine import start_engine
+
+    r, ec = cfg.rollout, cfg.rollout.engine
+    window_seqs = r.max_inflight_prompts * r.n
+    ns = [n for n in ((1, 8, 32, 128) if quick else (1, 8, 32, 128, 512)) if n <= window_seqs]
+    if window_seqs not in ns and window_seqs < (128 if quick else 512):
+        ns.append(window_seqs)
+    ls = [16, 64] + ([256] if r.max_response_length >= 256 and not quick else [])
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    rows = train_rows(cfg)
+    prompts = [encode_prompt(tok, rows[i % len(rows)]) for i in range(max(ns))]
+    ptok = statistics.mean(len(p) for p in prompts)
+    if ec.context_length:
+        ls = [L for L in ls if max(len(p) for p in prompts) + L <= ec.context_length] or [16]
+    cap = ec.max_total_tokens
+    params = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": True}
+    t0 = time.perf_counter()
+    engine = start_engine(ec, cfg.model.path)
+    log(f"engine: started in {time.perf_counter() - t0:.1f} s; n {ns}, L {ls}, prompt {ptok:.1f} tokens")
+    points, pre = [], []
+    try:
+        engine.generate(input_ids=prompts[:8], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+        for n in ns:
+            walls1 = []
+            for L in ls:
+                if cap and n * (ptok + L) > 0.9 * cap:
+                    log(f"engine: n={n} L={L} skipped: {n * (ptok + L):.0f} context tokens > 0.9 x max_total_tokens {cap}")
+                    continue
+                t = time.perf_counter()
+                engine.generate(input_ids=prompts[:n], sampling_params={**params, "max_new_tokens": 1})
+                w1 = time.perf_counter() - t
+                t = time.perf_counter()
+                outs = engine.generate(input_ids=prompts[:n], sampling_params={**params, "max_new_tokens": L})
+                wl = time.perf_counter() - t
+                got = [len(o["output_ids"]) for o in outs]
+                if min(got) != L:
+                    log(f"engine: n={n} L={L}: some outputs shorter than L ({min(got)})")
+                walls1.append(w1)
+                it = max(wl - w1, 1e-9) / (L - 1)
+                points.append((n, L, n * (ptok + L / 2), it, w1, wl))
+                log(f"engine: n={n:4d} L={L:4d}: wall {wl:.3f} s, prefill(1 token) {w1:.3f} s, {it * 1e3:.3f} ms/iteration")
+            if walls1:
+                pre.append((n * ptok, statistics.median(walls1)))
+        lengths = sample_lengths(engine, tok, rows, cfg, 16 if quick else 64)
+        log(f"engine: warm-start response lengths over {len(lengths)} samples: {quantiles(lengths)}")
+    finally:
+        engine.shutdown()
+    if len(points) < 3:
+        raise SystemExit(f"engine: only {len(points)} (n, L) points fit: need 3 for the fit")
+    X = np.array([[1.0, p[0], p[2]] for p in points])
+    y = np.array([p[3] for p in points])
+    coef = np.clip(np.linalg.lstsq(X, y, rcond=None)[0], 0.0, None)
+    if coef[0] + coef[1] <= 0:  # the planner needs a + b > 0
+        coef[1] = max(float(np.mean(y / X[:, 1])), 1e-9)
+    resid = y - X @ coef
+    log("engine: fit a + b·n + c·K -> a %.3e s, b %.3e s/seq, c %.3e s/ctx token; residuals (ms, %% of measured):"
+        % tuple(coef))
+    for p, e in zip(points, resid):
+        log(f"    n={p[0]:4d} L={p[1]:4d} K={p[2]:8.0f}: {e * 1e3:+.3f} ms ({100 * e / p[3]:+.1f} %)")
+    P = np.array([[1.0, t] for t, _ in pre])
+    slope = float(np.linalg.lstsq(P, np.array([w for _, w in pre]), rcond=None)[0][1]) if len(pre) >= 2 else 0.0
+    if slope <= 0:
+        slope = pre[-1][1] / pre[-1][0]
+        how_pre = "wall(n, 1) / prompt tokens at the largest n (the slope was <= 0)"
+    else:
+        how_pre = "slope of wall(n, max_new_tokens=1) over n x prompt tokens (lstsq with intercept)"
+    per_seq_ctx = ptok + r.max_response_length / 2
+    kv_seqs = int(cap / per_seq_ctx) if cap else window_seqs
+    max_running = max(1, min(window_seqs, kv_seqs, ec.max_running_requests or window_seqs))
+    pts = ", ".join(f"({p[0]},{p[1]})" for p in points)
+    when = _now()
+    part = {"max_running_seqs": max_running, "decode_base_s": float(coef[0]), "decode_per_seq_s": float(coef[1]),
+            "decode_per_ctx_token_s": float(coef[2]), "prefill_per_token_s": slope}
+    rms = float(np.sqrt(np.mean((resid / y) ** 2)))
+    src = {
+        "decode": f"{when}: bare in-process sglang.Engine (async_dapo.engine.start_engine, the rollout actor's "
+                  f"engine args), ignore_eos, config prompts ({ptok:.1f} tokens mean); (n, L) = {pts}; per-iteration "
+                  f"= (wall(n,L) - wall(n,1)) / (L-1), lstsq a + b·n + c·K, K = n·(prompt + L/2), negatives "
+                  f"clipped; rms relative residual {100 * rms:.1f} %",
+        "prefill_per_token_s": f"{when}: {how_pre}, n = {[int(t / ptok) for t, _ in pre]}",
+        "max_running_seqs": f"min(max_inflight_prompts x n = {window_seqs}, max_total_tokens {cap} / (prompt "
+                            f"{ptok:.1f} + max_response_length/2) = {kv_seqs}, max_running_requests "
+                            f"{ec.max_running_requests})",
+    }
+    src["response_lengths"] = (f"{when}: the bare engine sampling {len(lengths) // r.n} training prompts x n = "
+                               f"{r.n} with the run's sampling parameters (temperature {r.temperature}, top_p "
+                               f"{r.top_p}, max {r.max_response_length} tokens): every sample, kept or filtered; "
+                               f"quantiles {quantiles(lengths)}")
+    return part, src, ptok, lengths
+
+
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
+
+
+def quantiles(lengths: list[int]) -> str:
+    """p10 ... p99, max, and the share at the budget-truncated maximum, as one line."""
+    xs = sorted(lengths)
+    qs = ", ".join(f"p{int(q * 100)} {xs[min(len(xs) - 1, int(q * len(xs)))]}" for q in QUANTILES)
+    return f"{qs}, max {xs[-1]}, mean {statistics.mean(xs):.1f}"
+
+
+def sample_lengths(engine, tok, rows, cfg, prompts: int) -> list[int]:
+    """Response lengths of the warm start: ``prompts`` training rows (drawn as training draws them) x n samples,
+    the run's sampling parameters, up to the response budget; all samples, whatever their reward (the actor
+    phase only sees the groups dynamic sampling kept)."""
+    from async_dapo.data import encode_prompt
+
+    r = cfg.rollout
+    ids = [encode_prompt(tok, rows[i]) for i in range(prompts) for _ in range(r.n)]
+    outs = engine.generate(input_ids=ids, sampling_params={"temperature": r.temperature, "top_p": r.top_p,
+                                                           "max_new_tokens": r.max_response_length})
+    return [max(1, len(o["output_ids"])) for o in outs]
+
+
+# ------------------------------------------------------------------------------------------ b, c, d, e
+def queue_stats(placed) -> dict:
+    return placed.get(placed.replay.stats.remote(), "replay stats")
+
+
+def generate(placed, warmup: int, count: int, timeout_s: float) -> dict:
+    """throughput.generate_only's loop on an existing placement, with the queue's counters at the window's
+    ends: s/batch, received groups/s over the window, the batches."""
+    from throughput import collect_batches
+
+    batches, (t0, s0) = collect_batches(placed, warmup, count, timeout_s, "generation phase",
+                                        lambda: (time.perf_counter(), queue_stats(placed)))
+    t1, s1 = time.perf_counter(), queue_stats(placed)
+    return {"g_s": (t1 - t0) / count, "received_per_s": (s1["received"] - s0["received"]) / (t1 - t0),
+            "received": s1["received"] - s0["received"], "stats": s1, "batches": batches, "wall_s": t1 - t0}
+
+
+def batch_tokens(batch) -> int:
+    return sum(len(g.prompt_ids) * len(g.samples) + sum(len(s.response_ids) for s in g.samples) for g in batch)
+
+
+def train(placed, batches: list) -> list[float]:
+    seconds = []
+    for batch in batches:
+        t = time.perf_counter()
+        placed.on_learners("train_step", batch)
+        seconds.append(time.perf_counter() - t)
+    return seconds
+
+
+def workload_part(cfg, gen: dict) -> tuple[dict, dict]:
+    s, batches = gen["stats"], gen["batches"]
+    lengths = [len(smp.response_ids) for b in batches for g in b for smp in g.samples]
+    ptok = statistics.mean(len(g.prompt_ids) for b in batches for g in b)
+    drops = s["dropped_all_correct"] + s["dropped_all_wrong"] + s["dropped_uniform"]
+    keep = s["accepted"] / max(1, s["accepted"] + drops)
+    if not cfg.algorithm.dynamic_sampling.enable:
+        keep = 1.0
+    when = _now()
+    part = {"prompt_tokens": float(ptok), "response_lengths": [max(1, int(x)) for x in lengths],
+            "keep_rate": max(1e-3, min(1.0, keep))}
+    src = {"response_lengths": f"{when}: every sample of the {len(batches)} accepted batches of phase b "
+                               f"({len(lengths)} samples; filtered groups' lengths are not seen), mean "
+                               f"{statistics.mean(lengths):.2f}",
+           "prompt_tokens": f"{when}: mean prompt ids of those batches' groups",
+           "keep_rate": f"{when}: replay queue counters over phase b: accepted {s['accepted']} / (accepted + "
+                        f"dropped_all_correct {s['dropped_all_correct']} + dropped_all_wrong "
+                        f"{s['dropped_all_wrong']} + dropped_uniform {s['dropped_uniform']})"}
+    return part, src
+
+
+def shape_of(cfg, **changes):
+    from async_dapo.planner import Shape
+
+    return Shape.from_config(cfg).with_(**changes)
+
+
+def engine_only_s_per_batch(cfg, engine: dict, workload: dict) -> float:
+    """The planner's seconds per batch with per_group_s = 0, a (nearly) free learner and no push: what the
+    engine model alone predicts for phase b's generation."""
+    from async_dapo.planner import predict, profile_from_dict
+
+    prof = profile_from_dict({
+        "name": "engine-only", "hardware": "-", "engine": {**engine, "per_group_s": 0.0},
+        "learner": {"step_base_s": 1e-9, "per_token_s": 0.0},
+        "push": {"base_s": 0.0, "bytes": 0.0, "bandwidth_bytes_per_s": 1e12, "engine_pause_s": 0.0},
+        "workload": workload}, "engine-only profile")
+    shape = shape_of(cfg, eta=1000, every_k_steps=10 ** 6, update_mode="inflight")
+    return 1.0 / predict(prof, shape, steps=14, warmup=4, sync_baseline=False).steps_per_s
+
+
+def learner_part(cfg, seconds: list[float], tokens: list[int], warmup: int) -> tuple[dict, dict, float]:
+    import numpy as np
+
+    s, t = seconds[warmup:], tokens[warmup:]
+    epochs, R = cfg.learner.epochs, cfg.placement.learner_ranks
+    spread = (max(t) - min(t)) / statistics.mean(t)
+    when = _now()
+    if spread < 0.10 or len(s) < 3:
+        base, slope = 0.0, statistics.mean(s) / statistics.mean(t)
+        how = (f"token counts vary by {100 * spread:.1f} % (< 10 % or < 3 steps): step_base_s = 0, "
+               f"per_token_s = mean s / mean tokens")
+    else:
+        base, slope = (float(v) for v in np.linalg.lstsq(np.array([[1.0, x] for x in t]), np.array(s), rcond=None)[0])
+        if base < 0 or slope <= 0:
+            base, slope = 0.0, statistics.mean(s) / statistics.mean(t)
+            how = "lstsq gave a negative term: step_base_s = 0, per_token_s = mean s / mean tokens"
+        else:
+            how = "lstsq step s = base + slope x tokens"
+    part = {"step_base_s": max(0.0, base), "per_token_s": slope * R / epochs, "scaling_efficiency": 1.0}
+    src = {"learner": f"{when}: train_step on phase b's batches with the engines idle (as throughput.train_only), "
+                      f"{len(s)} steps after {warmup} discarded, tokens = prompt + response of the batch "
+                      f"({min(t)}..{max(t)}); {how}; per_token_s = slope x ranks {R} / epochs {epochs}; "
+                      f"mean step {statistics.mean(s):.3f} s"}
+    return part, src, statistics.mean(s)
+
+
+def push_phase(placed, cfg, pushes: int) -> tuple[dict, dict]:
+    import ray
+
+    import push as push_bench
+
+    stalls, runs = [], []
+    for _ in range(pushes + 1):  # the first one out of the figures (first-call overheads)
+        started = placed.on_learners("push_weights", placed.serving(), None)
+        placed.wait_push()
+        last = placed.get(placed.learners[0].last_push.remote(), "last push")
+        if last.get("error"):
+            raise SystemExit(f"push failed: {last['error']}")
+        stalls.append(max(s["push_blocking_s"] for s in started))
+        runs.append(last)
+    stalls, runs = stalls[1:], runs[1:]
+    med = statistics.median
+    nbytes = float(runs[0]["bytes"])
+    push_s, pause_s, stall_s = med(r["push_s"] for r in runs), med(r["engine_s"] for r in runs), med(stalls)
+    raw = push_bench.raw_gloo(ray, int(nbytes), pushes, cfg.weight_sync.timeout_s)
+    bw = nbytes / max(med(raw), 1e-9)
+    base = max(0.0, push_s - nbytes / bw)
+    when = _now()
+    part = {"base_s": base, "bytes": nbytes, "bandwidth_bytes_per_s": bw, "engine_pause_s": pause_s,
+            "learner_stall_s": stall_s}
+    src = {"push": f"{when}: {pushes} pushes (after 1 discarded) learner -> engines with the engines idle "
+                   f"(as tools/bench/push.py): push_s median {push_s:.4f} s at the sender, engine's own update "
+                   f"(engine_s) {pause_s:.4f} s -> engine_pause_s, push call {stall_s:.4f} s -> learner_stall_s; "
+                   f"bytes = the push's bytes; bandwidth = bytes / median raw gloo broadcast of the same bytes "
+                   f"(push.raw_gloo, {med(raw):.4f} s); base_s = push_s - bytes / bandwidth"}
+    return part, src
+
+
+def contention_phase(placed, batches: list, alone_rate: float, alone_steps: list[float], loops: int,
+                     warmup_groups: int, log) -> tuple[dict, dict]:
+    placed.start_rollouts()
+    deadline = time.monotonic() + 600
+    while queue_stats(placed)["received"] < warmup_groups:  # the engines are up to speed
+        if time.monotonic() > deadline:
+            raise SystemExit("contention phase: the engines produced nothing")
+        time.sleep(0.5)
+    t0, r0 = time.perf_counter(), queue_stats(placed)["received"]
+    steps = []
+    for _ in range(loops):
+        steps += train(placed, batches)
+    t1, r1 = time.perf_counter(), queue_stats(placed)["received"]
+    rate = (r1 - r0) / (t1 - t0)
+    alone_step, during = statistics.mean(alone_steps), statistics.mean(steps)
+    eng = max(1.0, alone_rate / rate) if rate > 0 else 1.0
+    lrn = max(1.0, during / alone_step)
+    log(f"contention: {rate:.2f} groups/s generating while training (alone {alone_rate:.2f}); step {during:.3f} s "
+        f"while generating (alone {alone_step:.3f})")
+    when = _now()
+    part = {"engine_slowdown": eng, "learner_slowdown": lrn}
+    src = {"contention": f"{when}: engines generating (as phase b) while the learner re-trains phase b's "
+                         f"{len(batches)} batches x {loops} (not coupled: no push, no admission by version): "
+                         f"received groups/s {rate:.3f} vs alone {alone_rate:.3f} -> engine_slowdown "
+                         f"(clipped >= 1, raw {alone_rate / max(rate, 1e-12):.3f}); step {during:.3f} s vs "
+                         f"alone {alone_step:.3f} s (same batches) -> learner_slowdown (raw "
+                         f"{during / alone_step:.3f})"}
+    return part, src
+
+
+def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, log,
+          lengths: list[int] | None = None) -> dict:
+    """Phases b-e on one or two placements: b (generation alone) on the first; c, d, e on a second whose
+    engines stay idle until e (no rollout can be paused once started)."""
+    import ray
+
+    from async_dapo.placement import place
+
+    out = {"sources": {}}
+    warmup, count = (1, 2) if quick else (3, 8)
+    gen = None
+    if "actor" in phases:
+        ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
+        placed = None
+        try:
+            placed = place(cfg)
+            gen = generate(placed, warmup, count, timeout_s)
+        finally:
+            if placed is not None:
+                placed.shutdown()
+            ray.shutdown()
+        out["gen"] = gen
+        out["workload"], src = workload_part(cfg, gen)
+        out["sources"].update(src)
+        if lengths is not None:  # every sample, not only the kept groups' (phase b's are kept ones)
+            out["sources"]["response_lengths_kept"] = out["sources"].pop("response_lengths")
+            out["workload"]["response_lengths"] = lengths
+        log(f"actor: {gen['g_s']:.3f} s/batch over {count} batches after {warmup}, "
+            f"{gen['received_per_s']:.2f} groups received/s, keep_rate {out['workload']['keep_rate']:.3f}")
+        if engine is not None:
+            pred = engine_only_s_per_batch(cfg, engine, out["workload"])
+            per_batch_groups = gen["received"] / count
+            out["per_group_s"] = max(0.0, (gen["g_s"] - pred) / per_batch_groups)
+            out["sources"]["per_group_s"] = (
+                f"{_now()}: phase b measured {gen['g_s']:.4f} s/batch ({per_batch_groups:.1f} groups received per "
+                f"batch, {count} batches after {warmup}, window {cfg.rollout.max_inflight_prompts} prompts) minus "
+                f"the planner's {pred:.4f} s/batch for the same shape with per_group_s = 0, a free learner and no "
+                f"push (async_dapo.planner.predict, 14 steps, 4 warm-up), / groups per batch; clipped at 0")
+            log(f"actor: planner engine-only {pred:.3f} s/batch -> per_group_s {out['per_group_s']:.5f}")
+    need = phases & {"learner", "push", "contention"}
+    if not need:
+        return out
+    if ("learner" in need or "contention" in need) and gen is None:
+        raise SystemExit("--phases learner/contention need the actor phase (its batches)")
+    ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
+    placed = None
+    try:
+        placed = place(cfg)
+        alone = None
+        if gen is not None:
+            batches = gen["batches"]
+            tokens = [batch_tokens(b) for b in batches]
+            seconds = train(placed, batches)
+            lw = 1 if len(batches) > 2 else 0
+            if "learner" in phases:
+                out["learner"], src, _ = learner_part(cfg, seconds, tokens, lw)
+                out["sources"].update(src)
+                log(f"learner: steps {[round(s, 3) for s in seconds]} s, tokens {tokens}")
+            alone = seconds[lw:]
+        if "push" in phases:
+            out["push"], src = push_phase(placed, cfg, 2 if quick else 5)
+            out["sources"].update(src)
+            log(f"push: {out['push']}")
+        if "contention" in phases:
+            train_set = gen["batches"][lw:]
+            out["contention"], src = contention_phase(placed, train_set, gen["received_per_s"], alone,
+                                                      1 if quick else 2, cfg.algorithm.train_batch_groups, log)
+            out["sources"].update(src)
+    finally:
+        if placed is not None:
+            placed.shutdown()
+        ray.shutdown()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ main
+def param_bytes(cfg) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from async_dapo.device import engine_dtype, resolve_device
+
+    dtype = getattr(torch, engine_dtype(resolve_device(cfg.rollout.engine.device), cfg.rollout.engine.dtype))
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path)
+    return float(sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size())
+
+
+def main() -> None:
+    ap = common.parser(__file__, __doc__, config=True)
+    ap.add_argument("--model", type=Path, default=None, help="model directory (default: the config's model.path)")
+    ap.add_argument("--out", type=Path, required=True, help="profile YAML to write")
+    ap.add_argument("--name", default=None, help="profile name (default: the --out file's stem)")
+    ap.add_argument("--quick", action="store_true", help="CI-size: fewer engine points, 1 + 2 batches, 2 pushes")
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    ap.add_argument("--base", type=Path, default=None, help="profile giving the figures of skipped phases")
+    ap.add_argument("--run-timeout", type=float, default=1800, help="seconds the generation phase may take")
+    args = ap.parse_args()
+    import yaml
+
+    started = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - started:6.1f} s] {msg}", flush=True)  # noqa: E731
+    sets = ["logging.val_every_steps=0", "checkpoint.every_steps=0", "checkpoint.export_hf=false"]
+    if args.model is not None:
+        sets += [f"model.path={args.model.resolve()}", "model.bootstrap=null"]
+    cfg = common.load_model(args, sets)  # the model ready, by its absolute path
+    role_cfg = common.load(args, [*sets, f"model.path={cfg.model.path}", "model.bootstrap=null", *ROLE_SETS])
+    phases = set(args.phases)
+    base = None
+    if args.base is not None:
+        from async_dapo.planner import load_profile
+
+        base = load_profile(args.base).model_dump()
+    elif phases & {"engine", "actor", "learner"} != {"engine", "actor", "learner"}:
+        raise SystemExit("--phases without engine, actor or learner needs --base PROFILE (their figures)")
+    command = "python tools/bench/calibrate.py " + " ".join(sys.argv[1:])
+    sources = {"command": f"{_now()}: {command}"}
+
+    engine, lengths = None, None
+    if "engine" in phases:
+        engine, src, _, lengths = engine_curve(cfg, args.quick, log)
+        sources.update(src)
+    elif base is not None:
+        engine = {k: v for k, v in base["engine"].items() if k not in ("per_group_s", "devices")}
+    got = roles(role_cfg, phases, args.quick, args.run_timeout, engine, log, lengths)
+    sources.update(got["sources"])
+
+    def pick(part: str, measured, neutral=None):
+        if measured is not None:
+            return measured
+        if base is not None:
+            sources.setdefault(part, f"from {args.base}")
+            return base[part]
+        sources.setdefault(part, "not measured (phase skipped): neutral value")
+        return neutral
+
+    nbytes = param_bytes(cfg)
+    prof = {
+        "name": args.name or args.out.stem,
+        "hardware": f"{platform.node()}: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+                    f"engine device {cfg.rollout.engine.device}, {cfg.placement.num_engines} engine(s) x "
+                    f"{cfg.placement.engine_cpus} CPU, {cfg.placement.learner_ranks} learner rank(s) x "
+                    f"{cfg.placement.learner_cpus} CPU; model {cfg.model.path}",
+        "sources": sources,
+        "engine": {**(engine or {}), "per_group_s": got.get("per_group_s",
+                                                            base["engine"]["per_group_s"] if base else 0.0)},
+        "learner": pick("learner", got.get("learner")),
+        "push": pick("push", got.get("push"), {"base_s": 0.0, "bytes": nbytes, "bandwidth_bytes_per_s": 1e12,
+                                               "engine_pause_s": 0.0, "learner_stall_s": 0.0}),
+        "contention": pick("contention", got.get("contention"), {"engine_slowdown": 1.0, "learner_slowdown": 1.0}),
+        "workload": pick("workload", got.get("workload")),
+    }
+    if "per_group_s" not in got:
+        sources.setdefault("per_group_s", f"from {args.base}" if base else "not measured: 0")
+    if got.get("push") is not None:
+        sources["push_bytes"] = f"parameter bytes in the engine dtype: {nbytes:.0f}; pushed bytes {prof['push']['bytes']:.0f}"
+    from async_dapo.planner import predict, profile_from_dict, Shape
+
+    profile = profile_from_dict(prof, str(args.out))  # validate before writing
+    for part in ("engine", "learner", "push", "contention"):
+        for k, v in getattr(profile, part).model_dump().items():
+            _finite(float(v))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    class Dumper(yaml.SafeDumper):  # lists (the response lengths) on one line
+        pass
+
+    Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+    text = yaml.dump(profile.model_dump(), Dumper=Dumper, sort_keys=False, width=120)
+    args.out.write_text(f"# Planner profile measured by {command} on {_now()} (roles alone).\n" + text)
+    shown = profile.model_dump()
+    lengths = shown["workload"]["response_lengths"]
+    if lengths:
+        shown["workload"]["response_lengths"] = f"[{len(lengths)} lengths, mean {statistics.mean(lengths):.2f}]"
+    print(yaml.safe_dump(shown, sort_keys=False, width=120), flush=True)
+    pred = predict(profile, Shape.from_config(cfg), steps=20, warmup=4)
+    e, lr = profile.engine, profile.learner
+    print(f"calibrated {args.out} in {time.perf_counter() - started:.0f} s: decode a {e.decode_base_s:.2e} "
+          f"b {e.decode_per_seq_s:.2e} c {e.decode_per_ctx_token_s:.2e} s, prefill {e.prefill_per_token_s:.2e} s/token, "
+          f"per_group {e.per_group_s:.4f} s, learner {lr.step_base_s:.3f} + {lr.per_token_s:.2e} s/token, push "
+          f"{profile.push.base_s:.3f} s, slowdowns {profile.contention.engine_slowdown:.2f}/"
+          f"{profile.contention.learner_slowdown:.2f}, keep {profile.workload.keep_rate:.2f}; config's plan: "
+          f"{pred.steps_per_s:.3f} steps/s (speedup {pred.speedup:.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
