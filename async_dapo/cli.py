@@ -74,6 +74,8 @@ def _plan_parser(sub) -> None:
     sp.add_argument("--seed", type=int, default=0, help="seed of the simulated lengths and keep draws")
     sp.add_argument("--validate", type=Path, default=None, metavar="TABLE.csv",
                     help="compare with a measured table (tools/bench/throughput.py's throughput.csv)")
+    sp.add_argument("--measured-keep-rate", action="store_true",
+                    help="with --validate, a diagnostic: predict each row with its own measured keep_rate")
     sp.add_argument("--recommend", action="store_true",
                     help="search split, eta, weight_sync.every_k_steps and rollout.update_mode")
     sp.add_argument("--total-gpus", type=_positive, default=None, metavar="N",
@@ -99,7 +101,7 @@ def _plan(cfg: Config, args) -> int:
           f"{shape.num_engines} engine(s), {shape.learner_ranks} learner rank(s), {args.steps} steps "
           f"(first {warmup} discarded)\n\n{pl.markdown(rows, cols)}\n")
     if args.validate is not None:
-        res = pl.validate(profile, args.validate, shape, args.steps, warmup, args.seed)
+        res = pl.validate(profile, args.validate, shape, args.steps, warmup, args.seed, args.measured_keep_rate)
         vcols = (["mode", "eta"] + [f"{k}_{s}" for k in pl.TOLERANCE for s in ("pred", "meas", "err", "ok")]
                  + [f"{k}_{s}" for k in pl.COMPARED for s in ("pred", "meas") if f"{k}_meas" in (res or [{}])[0]])
         print(f"## validation against {args.validate}\n\n{pl.markdown(res, vcols)}\n")

@@ -861,16 +861,22 @@ def _read_table(table_csv: str | Path) -> list[dict[str, str]]:
 
 
 def validate(profile: Profile, table_csv: str | Path, shape_for_row: Shape | Callable[[dict[str, str]], Shape],
-             steps: int = 60, warmup: int = 10, seed: int = 0) -> list[dict[str, Any]]:
+             steps: int = 60, warmup: int = 10, seed: int = 0, measured_keep: bool = False) -> list[dict[str, Any]]:
     """Predict every row of a benchmark CSV (columns mode, eta, optionally update_mode; measured steps_per_s,
     staleness_mean, learner_idle, rollout_idle) and compare: per figure the prediction, the measurement,
     the error (relative for steps/s, absolute for the rest) and whether it is within :data:`TOLERANCE`
-    (±15 % / ±0.3 / ±0.1 / ±0.1). ``shape_for_row``: a callable, or a Shape mapped as :func:`bench_row_shape`."""
+    (±15 % / ±0.3 / ±0.1 / ±0.1). ``shape_for_row``: a callable, or a Shape mapped as :func:`bench_row_shape`.
+    ``measured_keep``: a diagnostic, not a validation: each row is predicted with the keep rate that row
+    measured (its ``keep_rate`` column) instead of the profile's, to tell a drifting workload from a wrong
+    pipeline model."""
     to_shape = bench_row_shape(shape_for_row) if isinstance(shape_for_row, Shape) else shape_for_row
     out = []
     for row in _read_table(table_csv):
-        shape = to_shape(row)
-        pred = predict(profile, shape, steps, warmup, seed, sync_baseline=False).row()
+        shape, used = to_shape(row), profile
+        if measured_keep and row.get("keep_rate") not in (None, ""):
+            used = profile.model_copy(update={"workload": profile.workload.model_copy(
+                update={"keep_rate": float(row["keep_rate"])})})
+        pred = predict(used, shape, steps, warmup, seed, sync_baseline=False).row()
         res: dict[str, Any] = {"mode": row.get("mode", ""), "eta": shape.eta, "update_mode": shape.update_mode}
         oks = []
         for key, tol in TOLERANCE.items():

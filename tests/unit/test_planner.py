@@ -276,3 +276,24 @@ def test_the_run_reports_predicted_against_measured_step_time(tmp_path):
     assert "2.000 s predicted, 2.000 s measured over 6 steps (+0%)" in line
     run._step_times = [9.0] * 2 + [3.0] * 6
     assert "3.000 s measured over 6 steps (+50%)" in run._predicted_line()
+
+
+def test_validate_with_measured_keep_rates_uses_each_rows_own(tmp_path):
+    """The diagnostic replaces the profile's keep rate by the row's: halving it must slow a generation-bound plan."""
+    from async_dapo.planner import Shape, profile_from_dict, validate
+
+    prof = profile_from_dict({
+        "name": "t", "hardware": "-",
+        "engine": {"max_running_seqs": 64, "decode_base_s": 0.01, "decode_per_seq_s": 0.0,
+                   "decode_per_ctx_token_s": 0.0, "prefill_per_token_s": 0.0, "per_group_s": 0.0},
+        "learner": {"step_base_s": 0.001, "per_token_s": 0.0},
+        "push": {"base_s": 0.0, "bytes": 0.0, "bandwidth_bytes_per_s": 1e12, "engine_pause_s": 0.0},
+        "workload": {"prompt_tokens": 4, "lognormal": {"median": 10, "sigma": 0.0}, "keep_rate": 1.0}})
+    table = tmp_path / "t.csv"
+    table.write_text("mode,eta,steps_per_s,keep_rate\nsync,0,1.0,1.0\nsync,0,1.0,0.5\n")
+    shape = Shape(B=4, G=2, eta=0, max_inflight_prompts=4)
+    plain = validate(prof, table, shape, steps=20, warmup=4)
+    diag = validate(prof, table, shape, steps=20, warmup=4, measured_keep=True)
+    assert plain[0]["steps_per_s_pred"] == plain[1]["steps_per_s_pred"] == diag[0]["steps_per_s_pred"]
+    # keep 0.5: twice the groups per batch, each round of 10 iterations x 0.01 s; sync admits B per version
+    assert diag[1]["steps_per_s_pred"] < 0.75 * diag[0]["steps_per_s_pred"]
