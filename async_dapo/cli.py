@@ -164,7 +164,8 @@ def _scale(run_dir: Path, engines: int) -> int:
         raise FileNotFoundError(f"{run_dir}: not a run directory (no config.yaml)")
     request = json.dumps({"engines": engines, "asked_at": time.time()})
     try:
-        scale_target(load_config(rd.config), request)
+        # the run's planner profile is not needed here (its path may be relative to the run's start directory)
+        scale_target(load_config(rd.config, ["logging.plan_profile=null"]), request)
     except ValueError as exc:
         raise ConfigError(f"--engines: {exc}") from None
     write_atomic(rd.scale, request)

@@ -79,3 +79,17 @@ def test_any_driver_exception_is_one_line_with_the_traceback_in_the_run_log(tmp_
     assert err[0] == (f"run failed: {type(exc).__name__}: {first} (traceback in {tmp_path / 'run' / 'train.log'}); "
                       f"last checkpoint: {ckpt} (continue with --resume {tmp_path / 'run'})")
     assert "Traceback (most recent call last)" in log and "in boom" in log and "Traceback" not in err[0]
+
+
+def test_scale_reads_a_run_whose_planner_profile_path_is_relative_to_another_directory(tmp_path, monkeypatch):
+    """`async-dapo scale` needs only the run's placement: a run started elsewhere, whose config.yaml names its
+    planner profile relative to that directory, is still scaled."""
+    from async_dapo.config import dump_config, load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config("configs/tiny_cpu.yaml", [f"logging.run_dir={run}", "placement.max_engines=2"])
+    dump_config(cfg, run / "config.yaml")
+    monkeypatch.chdir(tmp_path)  # configs/profiles/cpu_tiny.yaml does not exist from here
+    assert cli.main(["scale", str(run), "--engines", "2"]) == 0
+    assert json.loads((run / "scale.json").read_text())["engines"] == 2
