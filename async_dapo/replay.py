@@ -159,6 +159,8 @@ class ReplayStats:
     admitted: int = 0  # prompts admitted
     abandoned: int = 0  # admitted prompts that will never send a group (aborted, actor died)
     received: int = 0  # groups that arrived
+    received_samples: int = 0  # their samples, kept or dropped
+    received_correct: int = 0  # ... judged correct: the policy's accuracy on the prompts it is asked
     accepted: int = 0  # groups put into the queue
     handed_out: int = 0  # groups given to the learner
     dropped_all_correct: int = 0  # on arrival, dynamic sampling
@@ -319,8 +321,11 @@ class ReplayPolicy(Generic[G]):
         """Classify an arriving group, queue it if accepted, and return the outcome."""
         if self.stats.running < 1:
             raise ValueError("a group arrived with no admitted prompt running (never admitted?)")
+        accuracies = tuple(group.accuracies)
         outcome = self._classify(group)  # may raise: decide before changing any counter
         self.stats.received += 1
+        self.stats.received_samples += len(accuracies)
+        self.stats.received_correct += sum(map(bool, accuracies))
         if outcome == ACCEPTED:
             self._enqueue(group)
         else:

@@ -200,6 +200,8 @@ def test_dynamic_sampling_drops_counted_by_reason():
     s = policy.stats
     assert (s.dropped_all_correct, s.dropped_all_wrong, s.accepted, s.received) == (2, 1, 1, 4)
     assert {DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG} <= FREES_ADMISSION
+    # Every received sample counts, kept or dropped: 2 + 3 + 1 + 3 samples, 2 + 0 + 1 + 2 of them correct.
+    assert (s.received_samples, s.received_correct) == (9, 5)
 
 
 def test_dynamic_sampling_off_accepts_all_fresh_groups():
