@@ -217,7 +217,8 @@ def _train(cfg: Config, resume: Path | None) -> int:
         with clock.phase("bootstrap"):
             _bootstrap(cfg)
     result = train(cfg, resume, clock)
-    log.info("done: %s", json.dumps({k: float(f"{v:.4g}") for k, v in result.items()}))  # 4 significant digits: a 3e-7 must not read 0.0
+    # 4 significant digits, not 4 decimals: a per-token log-prob difference of 3e-7 must not read 0.0.
+    log.info("done: %s", json.dumps({k: float(f"{v:.4g}") for k, v in result.items()}))
     return 0
 
 

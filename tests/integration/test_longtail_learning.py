@@ -1,11 +1,12 @@
 """The long-tail walk task (configs/longtail_cpu.yaml: responses of 4-220 tokens, median about 45) trained
-end to end through the real stack does not degrade its policy: over 30 asynchronous steps the accuracy of
-everything the engine generated for the training prompts (kept or dropped by dynamic sampling) and the share
-of groups dynamic sampling keeps hold up.
+end to end through the real stack does not degrade its policy: over 30 asynchronous steps (η = 2) the accuracy
+of everything the engine generated for the training prompts (kept or dropped by dynamic sampling) and the
+share of groups dynamic sampling keeps stay at the warm start's level in every window of 10 steps, and the
+last window's accuracy is not below the first's.
 
-Before the long-tail config's learning rate was fitted to its response length (6e-4 with no warm-up, the tiny
-default's), the same run lost half of its mixed groups within a few steps: keep fell from about 0.6 to
-0.25-0.4 and the accuracy from 0.23 to about 0.1 (docs/training.md, "Longer responses").
+The floors are the shipped warm start's (models/longtail_cpu): with its weights frozen, 10-step windows drew
+an accuracy of 0.20-0.23 and kept 0.54-0.61 of the groups (docs/training.md, "Longer responses"). With the
+tiny default's learning rate (6e-4, no warm-up) the first 10 steps fell to 0.107 and 0.39.
 """
 
 import json
@@ -20,6 +21,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 30
 WINDOW = 10
+ACC_FLOOR = 0.17  # the frozen warm start's lowest window (0.203) less two standard errors of a window
+KEEP_FLOOR = 0.45  # its lowest (0.54) less three
 
 
 def window(first: dict | None, last: dict) -> tuple[float, float]:
@@ -40,10 +43,9 @@ def test_longtail_policy_does_not_degrade(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "perf/time_per_step" in r]
     assert [int(r["step"]) for r in steps] == list(range(1, STEPS + 1))
-    first_acc, first_keep = window(None, steps[WINDOW - 1])
-    last_acc, last_keep = window(steps[-WINDOW - 1], steps[-1])
-    print(f"steps 1-{WINDOW}: acc {first_acc:.3f} keep {first_keep:.3f}; "
-          f"steps {STEPS - WINDOW + 1}-{STEPS}: acc {last_acc:.3f} keep {last_keep:.3f}")
-    # About 250 groups (2,000 samples) per window: a standard error near 0.01 on the accuracy and 0.03 on keep.
-    assert last_acc >= first_acc - 0.03, (first_acc, last_acc)
-    assert last_keep >= first_keep - 0.1, (first_keep, last_keep)
+    windows = [window(steps[i - 1] if i else None, steps[i + WINDOW - 1]) for i in range(0, STEPS, WINDOW)]
+    print("accuracy, keep per 10 steps:", [(round(a, 3), round(k, 3)) for a, k in windows])
+    # About 250 groups (2,000 samples) per window: standard errors near 0.02 on the accuracy, 0.03 on keep.
+    for acc, keep in windows:
+        assert acc >= ACC_FLOOR and keep >= KEEP_FLOOR, windows
+    assert windows[-1][0] >= windows[0][0] - 0.03, windows

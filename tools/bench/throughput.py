@@ -72,7 +72,8 @@ COMMON = ["logging.val_every_steps=0", "checkpoint.every_steps=0", "checkpoint.e
           "model.bootstrap=null"]
 COLUMNS = ["mode", "eta", "update_mode", "steps_per_s", "samples_per_s", "gen_tokens_per_s", "trained_tokens_per_s",
            "learner_idle", "rollout_idle", "staleness_mean", "staleness_max", "push_s", "stall_per_push_s",
-           "speedup", "ideal_speedup", "overlap_efficiency", "g_s", "t_s", "occupancy", "tail_share", "keep_rate"]
+           "speedup", "ideal_speedup", "overlap_efficiency", "g_s", "t_s", "occupancy", "tail_share", "keep_rate",
+           "received_acc"]
 TEXT = ("mode", "eta", "update_mode")
 FMT = {c: ".3f" for c in COLUMNS if c not in TEXT} | {"samples_per_s": ".1f", "gen_tokens_per_s": ".0f",
                                                                   "trained_tokens_per_s": ".0f"}
@@ -106,7 +107,8 @@ def summarize(run_dir: Path, cfg, warmup: int) -> dict:
             "staleness_max": max(r["staleness/max"] for r in steps),
             "push_s": statistics.mean(r["perf/weight_push_s"] for r in steps),
             "occupancy": weighted("perf/rollout_occupancy"), "tail_share": weighted("perf/rollout_tail_ratio"),
-            "stall_per_push_s": statistics.mean(pushes), "keep_rate": keep_rate(steps)}
+            "stall_per_push_s": statistics.mean(pushes), "keep_rate": keep_rate(steps),
+            "received_acc": received_acc(steps)}
 
 
 def keep_rate(steps: list[dict]) -> float:
@@ -114,6 +116,15 @@ def keep_rate(steps: list[dict]) -> float:
     (the queue's cumulative counters at the window's two ends)."""
     received = steps[-1]["replay/received"] - steps[0]["replay/received"]
     return (steps[-1]["replay/accepted"] - steps[0]["replay/accepted"]) / max(received, 1)
+
+
+def received_acc(steps: list[dict]) -> float:
+    """The accuracy of every sample the queue received over the steady-state steps, kept or dropped: whether
+    the policy held up on its training prompts while it was measured (nan for a run older than the counter)."""
+    if "replay/received_samples" not in steps[0]:
+        return math.nan
+    samples = steps[-1]["replay/received_samples"] - steps[0]["replay/received_samples"]
+    return (steps[-1]["replay/received_correct"] - steps[0]["replay/received_correct"]) / max(samples, 1)
 
 
 def collect_batches(placed, warmup: int, count: int, timeout_s: float, what: str, mark=time.perf_counter):

@@ -252,6 +252,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     probe = Probe(cfg, args)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     out = open(args.out, "w") if args.out else None
     try:
         for step in range(args.steps + 1):
