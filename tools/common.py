@@ -165,6 +165,22 @@ def step_records(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "perf/time_per_step" in r]
 
 
+def queue_rates(first: dict | None, last: dict) -> dict[str, float]:
+    """The replay queue's rates between two step records of metrics.jsonl (``first`` None: from the run's
+    start), from its cumulative counters: ``keep`` (accepted / received groups), ``all_wrong`` and
+    ``all_correct`` (shares of the groups received), ``groups`` (received), and ``acc``, the accuracy of every
+    sample received, kept or dropped (nan for a run older than that counter)."""
+    def delta(key: str) -> float:
+        return last.get(key, 0.0) - (first.get(key, 0.0) if first else 0.0)
+
+    received = max(delta("replay/received"), 1.0)
+    samples = delta("replay/received_samples")
+    return {"keep": delta("replay/accepted") / received, "all_wrong": delta("replay/dropped_all_wrong") / received,
+            "all_correct": delta("replay/dropped_all_correct") / received, "groups": delta("replay/received"),
+            "acc": delta("replay/received_correct") / samples if "replay/received_samples" in last and samples
+            else float("nan")}
+
+
 def write_table(rows: list[dict], columns: list[str], md_path: Path | None, csv_path: Path | None,
                 fmt: dict[str, str] | None = None) -> str:
     """``rows`` as a Markdown table (returned, and written to ``md_path``) and as CSV (full precision)."""

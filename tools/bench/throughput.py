@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
 from common import (  # noqa: E402
-    check_reusable, finished, load_config, parser, records, run_train, step_records, write_table,
+    check_reusable, finished, load_config, parser, queue_rates, records, run_train, step_records, write_table,
 )
 
 MODES = {"sync": (0, "inflight"), "eta1": (1, "inflight"), "eta2": (2, "inflight"), "eta4": (4, "inflight")}
@@ -99,6 +99,7 @@ def summarize(run_dir: Path, cfg, warmup: int) -> dict:
     wall = sum(r["perf/time_per_step"] for r in steps)
     weighted = lambda key: sum(r[key] * r["perf/time_per_step"] for r in steps) / wall  # noqa: E731
     pushes = [r["perf/weight_push_stall_s"] for r in steps if r["step"] % cfg.weight_sync.every_k_steps == 0]
+    rates = queue_rates(steps[0], steps[-1])  # keep: of the groups received, the share dynamic sampling kept
     return {"steps_per_s": per_s, "samples_per_s": per_s * groups * n, "gen_tokens_per_s": weighted("perf/gen_tokens_per_s"),
             "trained_tokens_per_s": per_s * groups * n * statistics.mean(r["response_length/mean"] for r in steps),
             "learner_idle": sum(r["perf/wait_data_s"] for r in steps) / wall,
@@ -107,24 +108,7 @@ def summarize(run_dir: Path, cfg, warmup: int) -> dict:
             "staleness_max": max(r["staleness/max"] for r in steps),
             "push_s": statistics.mean(r["perf/weight_push_s"] for r in steps),
             "occupancy": weighted("perf/rollout_occupancy"), "tail_share": weighted("perf/rollout_tail_ratio"),
-            "stall_per_push_s": statistics.mean(pushes), "keep_rate": keep_rate(steps),
-            "received_acc": received_acc(steps)}
-
-
-def keep_rate(steps: list[dict]) -> float:
-    """The share of the groups the queue received over the steady-state steps that dynamic sampling kept
-    (the queue's cumulative counters at the window's two ends)."""
-    received = steps[-1]["replay/received"] - steps[0]["replay/received"]
-    return (steps[-1]["replay/accepted"] - steps[0]["replay/accepted"]) / max(received, 1)
-
-
-def received_acc(steps: list[dict]) -> float:
-    """The accuracy of every sample the queue received over the steady-state steps, kept or dropped: whether
-    the policy held up on its training prompts while it was measured (nan for a run older than the counter)."""
-    if "replay/received_samples" not in steps[0]:
-        return math.nan
-    samples = steps[-1]["replay/received_samples"] - steps[0]["replay/received_samples"]
-    return (steps[-1]["replay/received_correct"] - steps[0]["replay/received_correct"]) / max(samples, 1)
+            "stall_per_push_s": statistics.mean(pushes), "keep_rate": rates["keep"], "received_acc": rates["acc"]}
 
 
 def collect_batches(placed, warmup: int, count: int, timeout_s: float, what: str, mark=time.perf_counter):

@@ -16,19 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 
-COUNTERS = ("replay/received", "replay/accepted", "replay/dropped_all_wrong", "replay/dropped_all_correct",
-            "replay/received_samples", "replay/received_correct")
-
-
-def window(first: dict | None, last: dict) -> dict[str, float]:
-    """The rates between two step records (``first`` None: from the run's start)."""
-    d = {k: last.get(k, 0.0) - (first.get(k, 0.0) if first else 0.0) for k in COUNTERS}
-    received = max(d["replay/received"], 1.0)
-    return {"acc": d["replay/received_correct"] / max(d["replay/received_samples"], 1.0),
-            "keep": d["replay/accepted"] / received, "all_wrong": d["replay/dropped_all_wrong"] / received,
-            "all_correct": d["replay/dropped_all_correct"] / received, "groups": d["replay/received"]}
-
-
 def trend(run_dir: Path, size: int) -> list[dict]:
     """One row per window of ``size`` steps (the last may be shorter)."""
     steps = common.step_records(common.records(run_dir))
@@ -36,7 +23,7 @@ def trend(run_dir: Path, size: int) -> list[dict]:
     for i in range(0, len(steps), size):
         end = steps[min(i + size, len(steps)) - 1]
         rows.append({"run": run_dir.name, "steps": f"{(start or {}).get('step', 0) + 1}-{end['step']}",
-                     **window(start, end)})
+                     **common.queue_rates(start, end)})
         start = end
     return rows
 
