@@ -59,8 +59,7 @@ class Sampler:
         self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
         self.score = load_score_fn(cfg.reward)
-        self.gen = torch.Generator().manual_seed(seed)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # generate() samples from torch's global generator
 
     def load(self, learner) -> None:
         """Copy the learner's current (full) weights into the sampling model."""
@@ -72,39 +71,48 @@ class Sampler:
             raise RuntimeError(f"weights do not match: missing {missing}, unexpected {unexpected}")
 
     def group(self, row, prompt: list[int], n: int, index: int, version: int):
+        """n scored samples of ``prompt`` as one wire Group, as a rollout actor sends it."""
         import numpy as np
+
+        from async_dapo.wire import Group
+
+        responses = self.responses(prompt, n)
+        samples = tuple(self.sample(row, resp, lp, version)
+                        for resp, lp in zip(responses, self.logprobs(prompt, responses)))
+        return Group(group_id=f"p{index}-v{version}", prompt_index=index, epoch=0, engine_rank=0,
+                     prompt_ids=np.asarray(prompt, np.int32), ground_truth=row.ground_truth,
+                     data_source=row.data_source, samples=samples, created_at=time.time(), admitted_version=version)
+
+    def responses(self, prompt: list[int], n: int) -> list[list[int]]:
+        """n sampled responses, each up to and including its EOS (the engine returns the EOS too)."""
         import torch
 
-        from async_dapo.reward import overlong_penalty
-        from async_dapo.wire import Group, Sample
-
-        r, rw = self.cfg.rollout, self.cfg.reward
-        eos = self.tok.eos_token_id
+        r, eos = self.cfg.rollout, self.tok.eos_token_id
         ids = torch.tensor([prompt] * n)
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
                                       top_p=r.top_p, temperature=r.temperature, max_new_tokens=r.max_response_length,
                                       eos_token_id=eos, pad_token_id=self.tok.pad_token_id or 0)
-        responses = []
-        for row_ids in out[:, len(prompt):].tolist():
-            cut = row_ids.index(eos) + 1 if eos in row_ids else len(row_ids)  # the EOS is generated: keep it
-            responses.append(row_ids[:cut])
-        logps = self.logprobs(prompt, responses)
-        samples = []
-        for resp, lp in zip(responses, logps):
-            text = self.tok.decode(resp, skip_special_tokens=True)
-            res = self.score(row.data_source, text, row.ground_truth, row.extra_info)
-            truncated = len(resp) >= r.max_response_length and resp[-1] != eos
-            pen = overlong_penalty(len(resp), r.max_response_length, rw.overlong_buffer_length,
+        rows = out[:, len(prompt):].tolist()
+        return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
+
+    def sample(self, row, response: list[int], logprobs, version: int):
+        """One response scored and shaped as the rollout actor does (score + overlong penalty)."""
+        import numpy as np
+
+        from async_dapo.reward import overlong_penalty
+        from async_dapo.wire import Sample
+
+        r, rw = self.cfg.rollout, self.cfg.reward
+        res = self.score(row.data_source, self.tok.decode(response, skip_special_tokens=True), row.ground_truth,
+                         row.extra_info)
+        truncated = len(response) >= r.max_response_length and response[-1] != self.tok.eos_token_id
+        penalty = overlong_penalty(len(response), r.max_response_length, rw.overlong_buffer_length,
                                    rw.overlong_penalty_factor) if rw.overlong_buffer_enable else 0.0
-            samples.append(Sample(response_ids=np.asarray(resp, np.int32), logprobs=lp,
-                                  versions=np.full(len(resp), version, np.int32), reward=res.score + pen,
-                                  score=res.score, acc=res.acc, truncated=truncated,
-                                  finish_reason="length" if truncated else "stop", gen_seconds=0.0))
-        return Group(group_id=f"p{index}-v{version}", prompt_index=index, epoch=0, engine_rank=0,
-                     prompt_ids=np.asarray(prompt, np.int32), ground_truth=row.ground_truth,
-                     data_source=row.data_source, samples=tuple(samples), created_at=time.time(),
-                     admitted_version=version)
+        return Sample(response_ids=np.asarray(response, np.int32), logprobs=logprobs,
+                      versions=np.full(len(response), version, np.int32), reward=res.score + penalty,
+                      score=res.score, acc=res.acc, truncated=truncated,
+                      finish_reason="length" if truncated else "stop", gen_seconds=0.0)
 
     def logprobs(self, prompt: list[int], responses: list[list[int]]):
         """fp32 log-probs of each response token under the sampling model (what SGLang reports)."""
