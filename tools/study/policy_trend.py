@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 
+
 def trend(run_dir: Path, size: int) -> list[dict]:
     """One row per window of ``size`` steps (the last may be shorter)."""
     steps = common.step_records(common.records(run_dir))
