@@ -33,6 +33,16 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="async-dapo", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -59,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running run's logging.run_dir")
     sp.add_argument("--engines", type=_positive, required=True, metavar="N",
                     help="rollout engines wanted, 1 .. placement.max_engines of the run")
+    sp.add_argument("--wait-s", type=_seconds, default=0.0, metavar="S",
+                    help="wait up to S seconds for the run to apply or refuse the request and exit 0 only if it "
+                         "was applied (default 0: exit once the request is written)")
     _plan_parser(sub)
     return p
 
@@ -153,26 +166,72 @@ def _eval(cfg: Config, repeats: int = 1) -> None:
                  k, repeats, statistics.mean(avgs), statistics.stdev(avgs), min(avgs), max(avgs))
 
 
-def _scale(run_dir: Path, engines: int) -> int:
-    """Write RUN_DIR/scale.json; the run's supervisor applies it at its next round (async_dapo.supervise)."""
-    from async_dapo.checkpoints import RunDir
-    from async_dapo.metrics import write_atomic
+def _scale(run_dir: Path, engines: int, wait_s: float = 0.0) -> int:
+    """Write RUN_DIR/scale.json, numbered (request #N); the run's supervisor applies it at its next round
+    (async_dapo.supervise) and records ``scale`` or ``scale_refused`` with its number in fleet.jsonl. With
+    ``wait_s`` > 0, wait for that record: 0 if applied, 1 (one line saying why) if refused, superseded by a
+    later request, or not answered in time."""
+    from async_dapo.checkpoints import RunDir, fleet_end, write_scale_request
     from async_dapo.supervise import scale_target
 
     rd = RunDir(run_dir)
     if not rd.config.exists():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no config.yaml)")
-    request = json.dumps({"engines": engines, "asked_at": time.time()})
     try:
         # the run's planner profile is not needed here (its path may be relative to the run's start directory)
-        scale_target(load_config(rd.config, ["logging.plan_profile=null"]), request)
+        scale_target(load_config(rd.config, ["logging.plan_profile=null"]), json.dumps({"engines": engines}))
     except ValueError as exc:
         raise ConfigError(f"--engines: {exc}") from None
-    write_atomic(rd.scale, request)
+    offset = fleet_end(rd)  # the run's answer to this request comes after
+    try:
+        written = write_scale_request(rd, {"engines": engines, "asked_at": time.time()})
+    except OSError as exc:  # the lock held too long (TimeoutError), scale.json not replaceable
+        print(f"error: scale request not written: {exc}", file=sys.stderr)
+        return 1
     serving = len(json.loads(rd.actors.read_text()).get("rollout", {})) if rd.actors.exists() else 0
-    log.info("asked %s for %d rollout engine(s) (%d serving now); the run logs each change and records it in %s",
-             run_dir, engines, serving, rd.fleet)
-    return 0
+    log.info("request #%d written (engines=%d): asked %s for %d rollout engine(s) (%d serving now); the run logs "
+             "each change and records it in %s", written.seq, engines, run_dir, engines, serving, rd.fleet)
+    return _await_scale(rd, written.seq, offset, wait_s) if wait_s > 0 else 0
+
+
+def _await_scale(rd, seq: int, offset: int, wait_s: float) -> int:
+    """The run's answer to request #``seq``: the first ``scale``/``scale_refused`` record in fleet.jsonl
+    after ``offset`` that is about it, about a later request (which superseded it: the run reads only the
+    newest), or about a scale.json the run could not read."""
+    from async_dapo.checkpoints import fleet_events
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            events, offset = fleet_events(rd, offset)
+        except ValueError as exc:
+            print(f"error: scale request #{seq} written, but its answer cannot be read: {exc}", file=sys.stderr)
+            return 1
+        for e in events:
+            if e.get("event") not in ("scale", "scale_refused"):
+                continue
+            about = e.get("seq")
+            if about == seq and e["event"] == "scale":
+                log.info("request #%d applied by the run: scaling to %s engine(s) (%s records each engine that "
+                         "joins or leaves)", seq, e.get("engines"), rd.fleet)
+                return 0
+            if about == seq:
+                print(f"error: scale request #{seq} refused by the run: {e.get('reason')}", file=sys.stderr)
+                return 1
+            if isinstance(about, int) and about > seq:
+                print(f"error: scale request #{seq} superseded by request #{about} before the run read it "
+                      f"(the run follows #{about})", file=sys.stderr)
+                return 1
+            if about is None and e["event"] == "scale_refused":
+                print(f"error: scale request #{seq} written, but the run refused the scale.json it found: "
+                      f"{e.get('reason')}", file=sys.stderr)
+                return 1
+        if time.monotonic() >= deadline:
+            print(f"error: scale request #{seq} written, but the run did not answer it in {wait_s:g} s (is it "
+                  f"running? it reads {rd.scale} between its polls; {rd.fleet} records each answer)",
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.2)
 
 
 def train_run_dir(cfg: Config, resume: Path | None) -> Config:
@@ -280,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = None
     try:
         if args.command == "scale":
-            return _scale(args.run_dir, args.engines)
+            return _scale(args.run_dir, args.engines, args.wait_s)
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             cfg = train_run_dir(cfg, args.resume)

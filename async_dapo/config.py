@@ -482,7 +482,10 @@ class PlacementConfig(_Section):
     )
     health_check_timeout_s: float = Field(
         30, gt=0, description="A heartbeat (one 1-token generate through the engine) unanswered after this "
-        "many seconds marks the engine hung: it is killed and replaced.",
+        "many seconds marks the engine hung: it is killed and replaced. Also the one bound on every call the "
+        "supervisor makes to all engines at once (leave, join and form the weight group, start producing, "
+        "shut down, counters) and the ceiling of a push's own bound (5 x the median push, at least a third "
+        "of this), past which an engine that has not loaded it while another has is hung.",
     )
     max_engine_restarts: int = Field(
         3, ge=0, description="Replacements of dead/hung rollout actors over the whole run; once exhausted "
@@ -494,15 +497,19 @@ class PlacementConfig(_Section):
 class TransportConfig(_Section):
     """zmq + msgpack group stream from rollout actors to the replay queue."""
 
-    bind_host: str = Field("127.0.0.1", description="Interface the queue binds; set for multi-node.")
+    bind_host: str = Field(
+        "127.0.0.1", description="Interface the replay queue binds (and where the weight group's rendezvous "
+        "is advertised): an address; 0.0.0.0 for every interface; or node, the address Ray knows for the "
+        "queue's node (reachable by the other nodes, and nothing else listens). Set for multi-node.",
+    )
     port: int = Field(0, ge=0, le=65535, description="0 = pick a free port.")
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Larger messages are dropped and counted."
     )
     max_peers: int | None = Field(
-        None, ge=1, le=100_000, description="Most TCP connections the queue's receiver keeps open at once "
-        "(admitted producers plus connections still in their handshake); one beyond them is refused at the "
-        "handshake, before any of its message frames is read, and counted as queue stat rejected_peers (a "
+        None, ge=1, le=100_000, description="Most producer connections the queue's receiver admits at once; "
+        "connections without the run's key never count (queue stat rejected_handshake). One beyond them is "
+        "refused at the handshake, before any of its message frames is read, and counted as queue stat rejected_peers (a "
         "refused producer connects again 0.5-1.5 s later and gets in once a slot is free). None = 2 x "
         "placement.num_engines (room for a replacement that connects before a dead peer's connection is torn "
         "down).",

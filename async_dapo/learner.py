@@ -288,11 +288,11 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ weight push (async_dapo.weight_sync)
     def open_weight_group(self, master_addr: str, master_port: int, world_size: int, group_name: str,
-                          dtype: str | None = None) -> None:
-        """Rank 0 only: become rank 0 of the weight-update group ``group_name`` (engines join concurrently)
-        and push in the engines' weight ``dtype`` (None = rollout.engine.dtype as this rank's device would
-        resolve it, for direct drivers and tests). An earlier group is closed first."""
-        self.weights.open(master_addr, master_port, world_size, group_name, dtype)
+                          dtype: str | None = None, join_timeout_s: float | None = None) -> None:
+        """Rank 0 only: become rank 0 of the weight-update group ``group_name`` (engines join concurrently,
+        at most ``join_timeout_s``) and push in the engines' weight ``dtype`` (None = rollout.engine.dtype as
+        this rank's device would resolve it, for direct drivers and tests). An earlier group is closed first."""
+        self.weights.open(master_addr, master_port, world_size, group_name, dtype, join_timeout_s)
 
     def close_weight_group(self) -> None:
         self.weights.close()
@@ -313,6 +313,10 @@ class LearnerWorker:
     def wait_push(self) -> float:
         """Wait for the previous push, at most 2 × weight_sync.timeout_s; raises if it failed."""
         return self.weights.wait()
+
+    def push_idle(self) -> bool:
+        """No push in flight (never waits: the supervisor asks it between its polls)."""
+        return self.weights.idle()
 
     def last_push(self) -> dict[str, Any]:
         return self.weights.last()

@@ -39,9 +39,11 @@ _REPLAY_TAGS = {
     "running": "replay/running", "abandoned": "replay/abandoned", "rejected_auth": "replay/rejected_auth",
     "received_samples": "replay/received_samples", "received_correct": "replay/received_correct",
     "rejected_unexpected": "replay/rejected_unexpected", "rejected_peers": "replay/rejected_peers",
+    "rejected_handshake": "replay/rejected_handshake",
     "retired_prompts": "replay/retired_prompts", "skipped_retired": "replay/skipped_retired",
     "quarantined_prompts": "replay/quarantined_prompts", "admitted": "replay/admitted",
     "handed_out": "replay/handed_out", "dropped_capacity": "replay/dropped_capacity",
+    "open_tickets": "replay/open_tickets",
 }
 
 
@@ -101,7 +103,8 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
                     f"rollout/{rank}/groups_per_s": d["groups_sent"] / dt,
                     f"rollout/{rank}/idle_ratio": min(1.0, d["idle_seconds"] / dt),
                     f"rollout/{rank}/occupancy": occupancy, f"rollout/{rank}/tail_ratio": min(1.0, d["tail_seconds"] / dt),
-                    f"rollout/{rank}/version": float(s["version"])})
+                    f"rollout/{rank}/version": float(s["version"]),
+                    f"rollout/{rank}/groups_sent": float(s.get("groups_sent", 0))})  # by this process, cumulative
     engines = max(len(now), 1)
     return out, {"gen_tokens_per_s": totals["tokens"] / dt,
                  "rollout_idle_ratio": min(1.0, totals["idle"] / dt / engines),
@@ -216,16 +219,24 @@ def rewind_jsonl(path: Path, step: int) -> int:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one, never a torn
-    one: write a temporary file beside it, flush it to disk, then rename over (atomic on POSIX)."""
+    one: write a temporary file beside it, flush it to disk, then rename over (atomic on POSIX). The temporary
+    file's name is this writer's own (process id and a random part, created exclusively), so two writers of
+    the same path at once never write into each other's file: the last rename wins, whole."""
     import os
+    import secrets
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def val_subsets_line(metrics: dict[str, float]) -> str:

@@ -149,14 +149,16 @@ class Run:
             checkpoints.rewind_to(self.dir, self.step)  # the killed run's steps after the checkpoint
         with self.clock.phase("placement"):
             self.placed = place(cfg, initial_version=self.version)
-        self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, self._push_now, self.placed.wait_push,
+        self.supervisor = EngineSupervisor(self.placed, self.last_checkpoint, self.placed.push_weights,
+                                           self.placed.wait_push, self.placed.push_idle,
                                            on_change=self._write_actors, clock=self.clock, run_dir=self.dir)
         self.metrics = MetricsWriter(self.dir.path, cfg.logging.tensorboard,
                                      purge_step=self.step + 1 if self.resume is not None else None)
         with self.clock.phase("placement"):
             if self.resume is not None:
                 self._restore()
-            self.placed.start_rollouts()
+            if failed := self.placed.start_rollouts():
+                raise RunFailed("start rollouts: " + "; ".join(f"rollout actor {r} {why}" for r, why in failed.items()))
         self._write_actors()
         self._last["t"] = self._t_start = time.perf_counter()
         if self.step == 0 and cfg.logging.val_every_steps and cfg.logging.val_before_train:
@@ -259,6 +261,8 @@ class Run:
     def _previous_push_ok(self) -> bool:
         """Wait for the previous push, heartbeating meanwhile (an engine hung under it is killed, which ends
         the wait); False when the supervisor rebuilt the group, which pushed the current weights already."""
+        if self.supervisor.pushing:  # a regroup's push: the supervisor lets its joiners in once it landed
+            self.supervisor.finish_push(self.version)
         try:
             self.placed.wait_push(meanwhile=lambda: self.supervisor.detect(self.version))
         except RunFailed as exc:
@@ -315,7 +319,8 @@ class Run:
         """Start a validation of the current weights, its rows spread over every engine; the loop does not
         wait for it. At most one runs at a time: if the previous one is still running, this one is skipped
         and counted (``val/skipped``; a metric never stalls the learner), except at the last step, where the
-        previous one is awaited (training is over) so that the final weights are always validated."""
+        previous one is awaited (training is over) so that the final weights are validated (unless no engine
+        runs them yet: then it is skipped and counted like any other)."""
         self._collect_validation(block=step == self.cfg.learner.total_steps)
         if self._val is not None:
             self._val_skipped += 1
@@ -327,7 +332,7 @@ class Run:
     def _start_validation(self, step: int) -> None:
         if self._val_rows is None:  # built once: a file's dedup is logged once
             self._val_rows = val_rows(self.cfg)
-        engines = self.placed.serving()
+        engines = self.placed.ready()
         if not engines:  # the only engine is being replaced: nothing to validate on
             self._val_skipped += 1
             log.warning("validation at step %d skipped: no engine serving (val/skipped)", step)

@@ -24,7 +24,7 @@ from async_dapo.device import dist_backend
 from async_dapo.learner import learner_actor_class, learner_device
 from async_dapo.replay_queue import replay_actor_class
 from async_dapo.rollout import rollout_actor_class
-from async_dapo.supervise import ActorDied, RunFailed, WaitExpired, cause_of, wait_all
+from async_dapo.supervise import ActorDied, RunFailed, WaitExpired, cause_of, fan_out, wait_all
 from async_dapo.weight_sync import ActorCallback, WeightGroup
 
 log = logging.getLogger("async_dapo")
@@ -69,7 +69,12 @@ class Placed:
     engine_pgs: dict = field(default_factory=dict)  # engine rank -> its one-bundle placement group
     _pg_ready: dict = field(default_factory=dict)  # engine rank -> its group's ready() ref, asked once
     starting: dict = field(default_factory=dict)  # engine rank -> rollout actor not serving yet (supervise)
+    joining: set = field(default_factory=set)  # engine ranks in the group whose first push has not landed
     _engine_stats_refs: tuple | None = None  # (rank -> get_stats ref, when asked): collected at the next step_stats
+    _push_idle_ref: Any = None  # learner rank 0's push_idle answer, asked once and collected without waiting
+    push_in_flight: tuple | None = None  # (version, when it started, {rank: engine} it went to) until waited for
+    push_durations: list = field(default_factory=list)  # the last pushes' durations, as learner rank 0 measured
+    _timed_push: Any = None  # the version of the last push in push_durations
 
     def get(self, refs, what: str, timeout_s: float | None = None):
         """ray.get bounded by placement.call_timeout_s (or ``timeout_s``); the error names what it waited for."""
@@ -116,19 +121,44 @@ class Placed:
         """The serving engines in rank order: the weight group's order (engine i holds its ranks 1 + i·tp)."""
         return [self.engines[r] for r in sorted(self.engines)]
 
-    def start_rollouts(self, which: list[int] | None = None) -> None:
+    def ready(self) -> list:
+        """The serving engines that run the current weights (not the ones whose first push is under way):
+        the ones a validation may use."""
+        return [self.engines[r] for r in sorted(self.engines) if r not in self.joining]
+
+    def start_rollouts(self, which: list[int] | None = None) -> dict[int, str]:
+        """Engines ``which`` (default: all) start producing; {rank: why} of the ones that failed to, or
+        did not answer in placement.health_check_timeout_s (the caller replaces them or stops the run)."""
         address = self.get(self.replay.address.remote(), "replay address")
         secret = self.get(self.replay.producer_secret.remote(), "replay secret")
-        engines = [self.engines[i] for i in (sorted(self.engines) if which is None else which)]
-        self.get([e.start.remote(self.replay, address, secret) for e in engines], "start rollouts")
+        ranks, bound = sorted(self.engines) if which is None else which, self.cfg.placement.health_check_timeout_s
+        _, failed, late = fan_out({r: self.engines[r].start.remote(self.replay, address, secret) for r in ranks},
+                                  timeout_s=bound)
+        return {**failed, **{r: f"did not start producing in {bound:.0f} s (hung)" for r in late}}
 
     def push_weights(self, version: int) -> None:
         """Every learner rank pushes ``version`` to the serving engines; once they loaded it, rank 0 tells
         the replay queue (``set_version``: admission counts the version the engines run)."""
         if not self.engines:  # the only engine failed: its replacement is pushed to when it comes up
             return
+        self._push_idle_ref = None  # an answer asked before this push would describe the previous one
         loaded = ActorCallback(self.replay, "set_version", self.cfg.weight_sync.timeout_s)
         self.on_learners("push_weights", self.serving(), loaded, version)
+        self.push_in_flight = (version, time.monotonic(), dict(self.engines))
+
+    def push_idle(self) -> bool:
+        """Whether learner rank 0 has no push in flight; False while it cannot answer yet (it is training)."""
+        import ray
+
+        if self._push_idle_ref is None:
+            self._push_idle_ref = self.learners[0].push_idle.remote()
+        if not ray.wait([self._push_idle_ref], timeout=0)[0]:
+            return False
+        ref, self._push_idle_ref = self._push_idle_ref, None
+        try:
+            return bool(ray.get(ref))  # ready: returns at once
+        except Exception:  # a dead learner: wait_push says so, naming it
+            return True
 
     def wait_push(self, meanwhile=None) -> float:
         """Wait for the previous push; RunFailed if it failed (ActorDied if learner rank 0 died).
@@ -140,27 +170,28 @@ class Placed:
         deadline = time.monotonic() + bound
         while meanwhile is not None and time.monotonic() < deadline and not ray.wait([ref], timeout=1.0)[0]:
             meanwhile()
-        return wait_all([ref], ["learner rank 0"], what="weight push",
-                        timeout_s=max(0.0, deadline - time.monotonic()))[0]
+        try:
+            return wait_all([ref], ["learner rank 0"], what="weight push",
+                            timeout_s=max(0.0, deadline - time.monotonic()))[0]
+        finally:
+            self.push_in_flight = None
 
     def step_stats(self) -> tuple[dict[str, Any], dict[int, dict], float, dict[str, Any]]:
         """(queue stats, each serving engine's stats by rank, when those were asked for, learner rank 0's
         last push). The engines' counters are the ones asked for at the previous call: a busy rollout actor
         answers only after tens of ms of GIL contention, and waiting for it every step cost ~50 ms per step."""
-        import ray
-
         queue_ref, push_ref = self.replay.stats.remote(), self.learners[0].last_push.remote()
         asked, t = self._engine_stats_refs or (self._ask_engines(), time.perf_counter())
         self._engine_stats_refs = (self._ask_engines(), time.perf_counter())
-        engines = {}
-        for rank, ref in asked.items():  # a dead engine is the supervisor's business, not the metrics'
-            try:
-                engines[rank] = ray.get(ref, timeout=self.cfg.placement.health_check_timeout_s)
-            except Exception:
-                continue
+        # All at once and briefly (they were asked a step ago): an engine that has not answered keeps its last
+        # counters until it does; a dead or hung one is the supervisor's business, not the metrics'.
+        engines = fan_out(asked, timeout_s=min(2.0, self.cfg.placement.health_check_timeout_s))[0]
         # Named as wait_push names it: learner rank 0 killed while this waits says "learner rank 0 died".
         push = wait_all([push_ref], ["learner rank 0"], what="last push",
                         timeout_s=self.cfg.placement.call_timeout_s)[0]
+        if push.get("push_s") and push.get("version") != self._timed_push:
+            self._timed_push = push["version"]
+            self.push_durations = [*self.push_durations[-19:], push["push_s"]]
         return self.get(queue_ref, "replay stats"), engines, t, push
 
     def _ask_engines(self) -> dict:
@@ -169,21 +200,16 @@ class Placed:
     def pids(self) -> dict[str, Any]:
         """Process ids of the run's actors (written to run_dir/actors.json for operators and fault tests):
         the serving engines under "rollout", the ones still starting under "starting"."""
-        import ray
-
-        def pid(ref) -> int | None:
-            try:
-                return ray.get(ref, timeout=self.cfg.placement.health_check_timeout_s)
-            except Exception:  # a dead actor has no pid to report
-                return None
-
-        def engine_pids(engines: dict) -> dict[str, Any]:
-            stats = {str(i): (pid(e.get_stats.remote()) or {}) for i, e in sorted(engines.items())}
-            return {i: s.get("pid") if isinstance(s, dict) else None for i, s in stats.items()}
-
-        return {"rollout": engine_pids(self.engines), "starting": sorted(self.starting),
-                "learner": {str(r): pid(a.pid.remote()) for r, a in enumerate(self.learners)},
-                "replay": pid(self.replay.pid.remote()),
+        refs = {("rollout", str(i)): e.get_stats.remote() for i, e in sorted(self.engines.items())}
+        refs |= {("learner", str(r)): a.pid.remote() for r, a in enumerate(self.learners)}
+        refs[("replay", "")] = self.replay.pid.remote()
+        # All at once, one bound: a dead or hung actor has no pid to report (None).
+        got = fan_out(refs, timeout_s=self.cfg.placement.health_check_timeout_s)[0]
+        pid = {k: (v.get("pid") if isinstance(v, dict) else v) for k, v in got.items()}
+        return {"rollout": {i: pid.get(("rollout", i)) for (role, i) in refs if role == "rollout"},
+                "starting": sorted(self.starting),
+                "learner": {r: pid.get(("learner", r)) for (role, r) in refs if role == "learner"},
+                "replay": pid.get(("replay", "")),
                 "weight_group": self.weights.name if self.weights else None}
 
     def learner_bundle(self, rank: int) -> dict[str, Any]:
@@ -240,7 +266,7 @@ class Placed:
             remove_placement_group(pg)
 
     def rebuild_weight_group(self) -> None:
-        self.weights.rebuild(self.learners[0], self.serving())
+        self.weights.rebuild(self.learners[0], dict(sorted(self.engines.items())))
 
     def shutdown(self) -> None:
         """End what this run started, by handle: engines (SGLang processes), learners, queue, the group."""
@@ -319,7 +345,7 @@ def place(cfg: Config, initial_version: int = 0) -> Placed:
     placed.weights = WeightGroup(cfg, dist_backend(learner_device(cfg), cfg.weight_sync.backend), placed.get,
                                  lambda: placed.get(placed.learners[0].weight_group_endpoint.remote(),
                                                     "weight-group endpoint on learner rank 0"))
-    placed.weights.open(placed.learners[0], placed.serving())
+    placed.weights.open(placed.learners[0], dict(sorted(placed.engines.items())))
     log.info("placed %d engine(s) and %d learner rank(s)", n_eng, n_lrn)
     return placed
 

@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+from async_dapo.checkpoints import read_small
+
+STATE_MAX_BYTES = 16 << 20  # a rank's schedule and RNG states are a few KiB
+
 FORMAT = 1
 _KEYS = {"format", "version", "skipped_updates", "scheduler", "torch_rng", "python_rng"}
 
@@ -65,7 +69,9 @@ def read(path: Path) -> dict[str, Any]:
                                   "and it is not loaded because unpickling a file runs any code it names")
         raise CheckpointError(f"{path}: missing (not a learner checkpoint of this version)")
     try:
-        state = json.loads(path.read_bytes())
+        state = json.loads(read_small(path, STATE_MAX_BYTES))
+    except OSError as exc:  # not a regular file, too big: it names the path
+        raise CheckpointError(str(exc)) from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{path}: not a JSON rank state ({exc})") from None
     _check(path, state)

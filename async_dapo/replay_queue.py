@@ -82,7 +82,7 @@ class ReplayQueue:
         self.cursor = self._new_cursor(cfg, self.rows)
         # Per run, handed to producers over Ray only: a sender without it is counted, never heard.
         self.secret = new_secret()
-        self.receiver = GroupReceiver.from_config(cfg, secret=self.secret)  # max_peers, budget resolved there
+        self.receiver = GroupReceiver.from_config(cfg, secret=self.secret, bind_host=self._bind_host(cfg))
         self._changed: asyncio.Condition | None = None
         self._receiving: asyncio.Task | None = None
         self.tickets: dict[str, Ticket] = {}
@@ -175,6 +175,16 @@ class ReplayQueue:
         for ticket in [t for t in self.tickets.values() if now - t.admitted_at > ttl]:
             log.warning("ticket %s (engine %d) expired after %.0f s", ticket.group_id, ticket.engine_rank, ttl)
             self._abandon(ticket, "expired")
+
+    @staticmethod
+    def _bind_host(cfg: Config) -> str:
+        """transport.bind_host, with "node" resolved to the address Ray knows for this node (the one other
+        nodes reach): the queue then listens there and nowhere else."""
+        if cfg.transport.bind_host != "node":
+            return cfg.transport.bind_host
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     # ------------------------------------------------------------------ API (Ray methods)
     async def address(self) -> str:
@@ -300,6 +310,9 @@ class ReplayQueue:
         wire = {k: v for k, v in self.receiver.counters.items() if k.startswith("rejected_")}
         return {**self.policy.stats.snapshot(), **wire, **{f"abandoned/{k}": v for k, v in self.abandoned.items()},
                 "rejected_unexpected": self.unexpected, "retired_prompts": len(self.cursor.retired),
+                # Counted from the ticket table itself, not from the counters (``running`` is derived from them):
+                # a ticket lost without being counted shows as running > open_tickets.
+                "open_tickets": len(self.tickets),
                 "quarantined_prompts": len(self.cursor.quarantined),
                 "skipped_retired": self.cursor.skipped, "version": self.version.value,
                 "admission_limit": self.policy.admission_limit(), "capacity_to_admit": self.policy.capacity_to_admit(),

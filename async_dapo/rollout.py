@@ -162,6 +162,7 @@ class EngineSession:
         self._scorer: Scorer | None = None  # worker processes, started at the first score
         self.updates_started = 0  # a request aborted while this moved was aborted by our own update
         self.update_started_at: float | None = None  # monotonic time of the running update, if any
+        self.loading_since: float | None = None  # the same, less a drain: since when it waits for the weights
         # zmq sockets are not thread-safe and a send may block on the high-water mark: one sender thread.
         self._send_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="group-send")
 
@@ -431,10 +432,12 @@ class EngineSession:
         self.weights_ready.clear()
         self.updates_started += 1
         self.update_started_at = time.monotonic()
+        self.loading_since = None if mode == "drain" else self.update_started_at  # draining is not loading
         try:  # everything after the clear: a failed drain or pause must not leave the engine refusing work
             if mode == "drain":
                 self.admitting.clear()
                 await self._until_idle()
+                self.loading_since = time.monotonic()
             else:
                 pause = PauseGenerationReqInput(mode="retract" if mode == "inflight" else "abort")
                 await self.tm.pause_generation(pause)
@@ -447,7 +450,7 @@ class EngineSession:
             finally:
                 self.weights_ready.set()
                 self.admitting.set()
-                self.update_started_at = None
+                self.update_started_at = self.loading_since = None
         seconds = time.perf_counter() - t0
         self.stats.updates += 1
         self.stats.update_seconds += seconds
@@ -559,6 +562,14 @@ class RolloutWorker:
                 "wall_seconds": time.time() - s.started_at,
                 "batch_seqs": self.session.cfg.rollout.max_inflight_prompts * self.session.cfg.rollout.n}
 
+    def push_status(self) -> dict[str, float | None]:
+        """The version this engine runs and how long it has been loading the next one (None: not loading, or
+        still draining): the supervisor's view of a push in flight. Answered by the actor, not the engine,
+        so it comes back even when the engine's processes hang."""
+        since = self.session.loading_since
+        return {"version": self.session.version, "loading_s": None if since is None else time.monotonic() - since,
+                "stopped": _stopped_children()}
+
     def shutdown(self) -> None:
         if self._producer is not None:
             self._producer.cancel()
@@ -572,6 +583,22 @@ class RolloutWorker:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.engine.shutdown()
+
+
+def _stopped_children() -> list[int]:
+    """PIDs of this actor's child processes (the SGLang scheduler and detokenizer, reward workers) that are
+    stopped (SIGSTOP, a debugger): they make no progress whatever they were doing. Another hang (a kernel
+    that never returns) leaves its process running and is not seen here."""
+    import psutil
+
+    stopped = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                stopped.append(child.pid)
+        except psutil.Error:  # it ended meanwhile
+            continue
+    return stopped
 
 
 def rollout_actor_class(cfg: Config, worker: type = RolloutWorker, **options):

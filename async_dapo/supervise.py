@@ -6,26 +6,28 @@ Ray's own ``max_restarts`` would restart an actor's process, but its state (the 
 the weight-update group, its in-flight prompts) would be gone and nobody would re-wire it; so the
 orchestrator does the restart itself, the way slime's fault tolerance does (heartbeat every 10 s, kill a
 silent engine, restart it with current weights) — but without stopping training: the orchestrator calls
-:meth:`EngineSupervisor.poll` between its polls of the replay queue, and each call does a bounded bit of
-work, never an engine start.
+:meth:`EngineSupervisor.poll` between its polls of the replay queue. A poll never starts an engine and never
+waits on one engine: what it asks of several engines it asks of all at once, under one bound,
+``placement.health_check_timeout_s`` (the engines that do not answer in it are named and taken out).
 
 1. heartbeat, in the background: every ``placement.health_check_interval_s`` each serving engine is sent a
    1-token request; one that has not finished it after ``placement.health_check_timeout_s`` (+10 s for Ray)
-   is hung, a dead process fails at once;
-2. a failed engine leaves the fleet at once: killed by handle, its in-flight prompts released by the replay
-   queue (slots freed, prompts back to the cursor: nothing lost, nothing trained twice), and the weight
-   group rebuilt with the survivors, who then load the current weights. For them that is one group rebuild
-   and one push; they go on generating and the learner goes on training on their groups;
+   is hung, a dead process fails at once. A heartbeat cannot judge an engine that is loading weights (it
+   produces nothing meanwhile), so a push is watched too: once it has run past :meth:`push_bound`, an
+   engine that has not loaded it while another engine has is hung inside it;
+2. a failed engine leaves the fleet at once: killed by handle (which ends a push stuck on it: the others
+   keep the weights), its in-flight prompts released by the replay queue (slots freed, prompts back to the
+   cursor: nothing lost, nothing trained twice), and the weight group rebuilt with the survivors, who then
+   load the current weights; they go on generating and the learner goes on training on their groups;
 3. its replacement starts in the background in the same placement group (an added engine: in a new one);
-   once its engine is up the group is rebuilt with it and the current weights are pushed and loaded
-   *before* it admits a prompt;
-4. an engine removed by a scale request stops admitting and its in-flight prompts are released, then it is
-   shut down and its placement group removed: its resources go back to Ray;
+   once its engine is up the group is rebuilt with it (a regroup: see ``_rebuild``) and the current weights
+   are pushed; it admits prompts only once that push has landed, and one that dies then is replaced again;
+4. an engine removed by a scale request stops admitting and its in-flight prompts are released, then the
+   removed engines are shut down together and their placement groups removed: resources go back to Ray;
 5. after ``placement.max_engine_restarts`` replacements the run stops with :class:`RunFailed`.
 
 Each of these is an event in ``run_dir/fleet.jsonl`` (one JSON object with its time per line).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +36,8 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from async_dapo.checkpoints import ScaleRefused, ScaleWatch
 
 log = logging.getLogger("async_dapo")
 
@@ -76,6 +80,43 @@ def wait_all(refs: list, names: list[str], *, what: str, timeout_s: float) -> li
     return ray.get(list(refs))  # all ready by now: no wait
 
 
+def fan_out(refs: dict, *, timeout_s: float) -> tuple[dict, dict, list]:
+    """Wait for many actors' answers together, at most ``timeout_s`` for all of them (never one bound per
+    actor): (answers by key, {key: why} for the calls that failed or whose actor died, [keys] of the ones
+    that did not answer in time). Never raises for one actor: the caller decides what a missing answer
+    means (a hung engine is taken out, a missing counter is skipped)."""
+    import ray
+
+    keys = list(refs)
+    ready = set(ray.wait([refs[k] for k in keys], num_returns=len(keys), timeout=timeout_s)[0]) if keys else set()
+    answers, failed = {}, {}
+    for k in keys:
+        if refs[k] not in ready:
+            continue
+        try:
+            answers[k] = ray.get(refs[k])  # ready: returns at once
+        except ray.exceptions.RayActorError as exc:
+            failed[k] = f"process died ({cause_of(exc)})"
+        except Exception as exc:
+            failed[k] = f"failed: {cause_of(exc)}"
+    return answers, failed, [k for k in keys if refs[k] not in ready]
+
+
+class EnginesFailed(RunFailed):
+    """Some engines failed one step of a fleet operation: ``failed`` = {rank: why}. The supervisor takes
+    exactly these out; the others go on."""
+
+    def __init__(self, what: str, failed: dict[int, str]) -> None:
+        self.failed = dict(failed)
+        super().__init__(f"{what}: " + "; ".join(f"rollout actor {r} {why}" for r, why in sorted(failed.items())))
+
+
+def engines_failed(what: str, failed: dict, late: list, timeout_s: float) -> None:
+    """Raise EnginesFailed naming the engines of a fan-out that failed or did not answer in ``timeout_s``."""
+    if failed or late:
+        raise EnginesFailed(what, {**failed, **{r: f"did not answer in {timeout_s:.0f} s (hung)" for r in late}})
+
+
 def cause_of(exc: BaseException) -> str:
     """The last line of a Ray error's cause: the part a person needs."""
     lines = str(getattr(exc, "cause", None) or exc).strip().splitlines()
@@ -98,15 +139,16 @@ class _Starting:
 
 class EngineSupervisor:
     """Heartbeats the serving rollout actors of a :class:`~async_dapo.placement.Placed`, replaces failed
-    ones and applies scale requests, in the background (see the module docstring). ``push_now(version)``
-    pushes the current weights to every serving engine and waits for the load; ``wait_push()`` waits for
-    the push in flight."""
+    ones and applies scale requests, in the background (see the module docstring). ``push(version)`` starts
+    a push of the current weights to every engine of the group (returns once the learner snapshotted them);
+    ``wait_push(meanwhile=f)`` waits for the push in flight, calling ``f`` about once a second, and raises
+    RunFailed if it failed; ``push_status()`` is True once no push is in flight (never waits)."""
 
-    def __init__(self, placed, last_checkpoint, push_now: Callable[[int], None], wait_push: Callable[[], Any],
-                 on_change=None, clock=None, run_dir=None) -> None:
+    def __init__(self, placed, last_checkpoint, push: Callable[[int], None], wait_push: Callable[..., Any],
+                 push_status: Callable[[], bool], on_change=None, clock=None, run_dir=None) -> None:
         self.placed, self.cfg = placed, placed.cfg
         self.last_checkpoint = last_checkpoint  # () -> str, for the stop message
-        self.push_now, self.wait_push = push_now, wait_push
+        self.push, self.wait_push, self.push_status = push, wait_push, push_status
         self.on_change = on_change  # () -> None, after the serving engines changed (actors.json)
         self.clock = clock  # metrics.PhaseClock: supervision is its own phase
         self.dir = run_dir  # checkpoints.RunDir: fleet.jsonl, scale.json (None: neither)
@@ -119,7 +161,11 @@ class EngineSupervisor:
         self._next_check = time.monotonic() + self.cfg.placement.health_check_interval_s
         self._regroup = False  # the serving engines changed: the weight group must follow
         self._joining: dict[int, _Starting] = {}  # up and in the group's next rebuild, not admitting yet
-        self._scale_seen: int | None = None  # mtime of the scale request applied last
+        self._pushing: dict[str, Any] | None = None  # the regroup's push in flight (its version and timings)
+        self._push_failures = 0  # regroup pushes failed in a row with no engine to blame
+        self._push_checked: tuple | None = None  # the push in flight every engine was seen to load
+        self._push_asked = 0.0  # when the engines were last asked about the push in flight
+        self._scale_watch = ScaleWatch(run_dir.scale) if run_dir is not None else None  # requests handed out
 
     # ------------------------------------------------------------------ the loop's calls
     def poll(self, version: int) -> None:
@@ -129,13 +175,15 @@ class EngineSupervisor:
             self.detect(version)
             self._apply_scale_request(version)
             self._advance(version)
-            if self._regroup:
+            if self._pushing is not None:
+                self._check_push(version)
+            if self._regroup and self._pushing is None:
                 self._rebuild(version)
 
     def detect(self, version: int) -> None:
         """Heartbeats only (no group rebuild): safe while a push is in flight. A failed engine is killed
         here, which fails a push stuck on it at once."""
-        failed = self._heartbeat_results()
+        failed = self._heartbeat_results() + self._hung_in_push()
         if failed:
             self.replace(failed, version)
 
@@ -147,7 +195,7 @@ class EngineSupervisor:
         if failed:
             self.replace(failed, version)
         if self._regroup:
-            self._rebuild(version)
+            self._rebuild(version)  # starts the push of the current weights
             return True
         return False
 
@@ -157,6 +205,8 @@ class EngineSupervisor:
 
         timeout = self.cfg.placement.health_check_timeout_s
         refs = {rank: e.health.remote(timeout) for rank, e in self.placed.engines.items()}
+        if not refs:
+            return []
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout + 10)
         return [(rank, why) for rank, ref in refs.items() if (why := _verdict(ref, ref in ready, timeout))]
 
@@ -196,6 +246,45 @@ class EngineSupervisor:
             self._beats, self._next_check = None, now + self.cfg.placement.health_check_interval_s
         return failed
 
+    def push_bound(self) -> float:
+        """How long a push may run before the engines that have not loaded it are looked at: five times the
+        recent pushes' median, at least a third of placement.health_check_timeout_s, at most all of it."""
+        hc, took = self.cfg.placement.health_check_timeout_s, sorted(self.placed.push_durations)
+        return min(hc, max(hc / 3, 5 * took[len(took) // 2])) if took else hc / 3
+
+    def _hung_in_push(self) -> list[tuple[int, str]]:
+        """A push past :meth:`push_bound`: the engines still loading it while another engine of the push has
+        it loaded, or whose actor does not answer, are hung inside it. Taken out at once (which ends the push
+        for the others, who keep the weights); a heartbeat could not tell, since an engine loading weights
+        legitimately produces nothing. Asks at most once a second, and not again once every engine loaded."""
+        flight, now = self.placed.push_in_flight, time.monotonic()
+        if flight is None or flight is self._push_checked or now < self._push_asked + 1.0:
+            return []
+        version, t0, engines = flight
+        bound = self.push_bound()
+        if now - t0 < bound:
+            return []
+        self._push_asked = now
+        live = {r: e for r, e in engines.items() if self.placed.engines.get(r) is e}
+        asked = min(5.0, self.cfg.placement.health_check_timeout_s)
+        status, _, late = fan_out({r: e.push_status.remote() for r, e in live.items()}, timeout_s=asked)
+        loaded = sorted(r for r, st in status.items() if st["version"] == version)
+        if len(loaded) == len(live):
+            self._push_checked = flight
+            return []
+        stuck = []
+        for r, st in sorted(status.items()):
+            if st["version"] == version:
+                continue
+            if st.get("stopped"):  # with no other engine to compare with (one engine, or all of them stuck)
+                stuck.append((r, f"did not load weight version {version}: its processes {st['stopped']} are "
+                                 f"stopped (push bound {bound:.0f} s)"))
+            elif loaded and (st["loading_s"] or 0.0) > bound:
+                stuck.append((r, f"did not load weight version {version} in {st['loading_s']:.0f} s while "
+                                 f"rollout actor(s) {loaded} did (push bound {bound:.0f} s)"))
+        return stuck + [(r, f"did not answer in {asked:.0f} s during the push of version {version} (hung)")
+                        for r in late]
+
     def replace(self, failed: list[tuple[int, str]], version: int) -> None:
         """Take every failed engine out of the fleet (killed, prompts released) and start its replacement in
         the background; RunFailed naming them all when that would exceed placement.max_engine_restarts."""
@@ -211,26 +300,23 @@ class EngineSupervisor:
             self._remove(rank, "actor_failed", graceful=False)
             self._start(rank, "replacement")
 
-    def _remove(self, rank: int, reason: str, graceful: bool) -> None:
+    def _remove(self, rank: int, reason: str, graceful: bool):
         """Engine ``rank`` leaves the fleet: its admissions stop and its in-flight prompts go back to the
-        cursor (counted as replay/abandoned/<reason>); it is ended by handle (after a bounded shutdown when
-        ``graceful``). The group follows at the next rebuild."""
+        cursor (counted as replay/abandoned/<reason>). A failed one is killed first; a ``graceful`` one is
+        returned for the caller to shut down (all at once) and kill. The group follows at the next rebuild."""
         import ray
 
         handle = self.placed.engines.pop(rank)
+        self._joining.pop(rank, None)
+        self.placed.joining.discard(rank)
         self._regroup = True  # at once: whatever fails below, the group must not keep naming it
         if not graceful:  # a dead or hung engine: kill first (that also fails a push stuck on it)
             ray.kill(handle, no_restart=True)
         released = self.placed.get(self.placed.replay.release_engine.remote(rank, reason), "release prompts")
-        if graceful:
-            try:
-                ray.get(handle.shutdown.remote(), timeout=60)
-            except Exception as exc:  # it is killed below anyway
-                log.warning("rollout actor %d: shutdown failed: %r", rank, exc)
-            ray.kill(handle, no_restart=True)
         self._event("removed", rank=rank, reason=reason, released_prompts=released)
         log.info("rollout actor %d left the fleet (%s); %d in-flight prompts returned to the cursor", rank, reason,
                  released)
+        return handle
 
     # ------------------------------------------------------------------ engines coming in
     def _start(self, rank: int, why: str) -> None:
@@ -302,49 +388,105 @@ class EngineSupervisor:
             ray.kill(actor, no_restart=True)
 
     # ------------------------------------------------------------------ the weight group follows
+    # A regroup is a stage of this state machine, never one long call: (1) settle the push in flight (the
+    # heartbeats run while it waits, so an engine hung under it is killed, which ends the wait), (2) form the
+    # new group (every engine asked at once, bounded by health_check_timeout_s), (3) start the push of the
+    # current weights and return: the learner trains on the survivors' groups while it lands. Only once it
+    # landed (collected by a later poll, or by the loop before its next push) do the joiners admit prompts.
     def _rebuild(self, version: int) -> None:
-        """The serving engines changed: wait for the push in flight (it fails if it went to an engine that
-        left), let the engines that came up join, rebuild the group with every serving engine and push the
-        current weights; only then do the new ones admit prompts. An engine that fails meanwhile is taken out
-        and the rebuild is tried again at the next poll."""
+        """Stages 1-2 and the start of 3 (see above). An engine that fails meanwhile is taken out and the
+        regroup is tried again at the next poll."""
         t0 = time.monotonic()
-        self._settle_push()
+        self._settle_push(version)
         for s in [s for s in self.starting.values() if s.ready]:
             self.placed.engines[s.rank] = self.placed.starting.pop(s.rank)
             self._joining[s.rank] = self.starting.pop(s.rank)
         self.placed.engines = dict(sorted(self.placed.engines.items()))
+        self.placed.joining = set(self._joining)  # in the group, not serving: no prompts, no validation
         self._regroup = False
         t1 = time.monotonic()
         try:
             self.placed.rebuild_weight_group()
-            t2 = time.monotonic()
-            if self.placed.engines:
-                self.push_now(version)  # every serving engine runs the current weights; new ones before admitting
         except RunFailed as exc:
-            if isinstance(exc, RestartsExhausted) or not (failed := self.failed_engines()):
-                raise  # no engine explains it (learner rank 0?)
-            log.warning("weight group rebuild failed (%s); taking out %s and rebuilding again", exc, failed)
-            for rank, _ in failed:
-                self._joining.pop(rank, None)
-            self.replace(failed, version)
+            self._regroup_failed(exc, version)
             return
-        joined = [self._joining.pop(r) for r in sorted(self._joining) if r in self.placed.engines]
+        self._pushing = {"version": version, "t0": t0, "wait_push_s": t1 - t0, "group_s": time.monotonic() - t1,
+                         "t_push": time.monotonic()}
+        if self.placed.engines:
+            self.push(version)  # returns once the learner's shards are snapshotted
+        else:  # nothing serves (the only engine failed): its replacement is pushed to when it comes up
+            self._landed(version)
+
+    def _regroup_failed(self, exc: RunFailed, version: int) -> None:
+        """Take out the engines a failed regroup names (or, if it names none, the ones a heartbeat finds
+        failed); RunFailed when nothing explains it."""
+        failed = list(exc.failed.items()) if isinstance(exc, EnginesFailed) else self.failed_engines()
+        if isinstance(exc, RestartsExhausted) or not failed:
+            raise exc  # no engine explains it (learner rank 0?)
+        log.warning("weight group rebuild failed (%s); taking out %s and rebuilding again", exc, failed)
+        self.replace(failed, version)
+
+    @property
+    def pushing(self) -> bool:
+        """A regroup's push is in flight (its joiners admit once it landed)."""
+        return self._pushing is not None
+
+    def _check_push(self, version: int) -> None:
+        """Collect the regroup's push if the learner reports it finished; never waits for it."""
+        if self.push_status():
+            self.finish_push(version)
+
+    def finish_push(self, version: int) -> None:
+        """Wait for the regroup's push (the heartbeats run meanwhile) and act on it: the joiners start
+        admitting, or, if it failed, the engines that explain it are taken out and the group follows again.
+        The loop calls this before its own next push."""
+        try:
+            self.wait_push(meanwhile=lambda: self.detect(version))
+        except (ActorDied, RestartsExhausted):
+            raise
+        except RunFailed as exc:
+            self._pushing = None
+            self._push_failures += 1
+            failed = self.failed_engines()
+            if not failed and self._push_failures > 1:  # a second failure in a row that no engine explains
+                raise RunFailed(f"weight push after a regroup failed twice: {exc}") from None
+            log.warning("the regroup's push failed (%s); %s", exc, f"taking out {failed}" if failed else "again")
+            if failed:
+                self.replace(failed, version)
+            self._regroup = True
+            return
+        self._push_failures = 0
+        self._landed(version)
+
+    def _landed(self, version: int) -> None:
+        """The regroup's push landed: its joiners start admitting (one that fails to is replaced)."""
+        done, self._pushing = self._pushing or {}, None
+        version = done.get("version", version)
+        joined = [self._joining[r] for r in sorted(self._joining) if r in self.placed.engines]
         self._joining.clear()
-        if joined:
-            self.placed.start_rollouts([s.rank for s in joined])
-        t3 = time.monotonic()
+        self.placed.joining = set()
+        failed = self.placed.start_rollouts([s.rank for s in joined]) if joined else {}
+        now = time.monotonic()
         self._event("regrouped", engines=sorted(self.placed.engines), joined=[s.rank for s in joined],
-                    version=version, seconds=t3 - t0, wait_push_s=t1 - t0, group_s=t2 - t1, push_s=t3 - t2)
+                    version=version, seconds=now - done.get("t0", now), wait_push_s=done.get("wait_push_s", 0.0),
+                    group_s=done.get("group_s", 0.0), push_s=now - done.get("t_push", now))
         for s in joined:
-            self._joined(s, version)
+            if s.rank not in failed:
+                self._joined(s, version)
+        if failed:  # a replacement that died right after it joined: replaced again (a restart counted)
+            self.replace(sorted(failed.items()), version)
         if self.on_change is not None:
             self.on_change()
 
-    def _settle_push(self) -> None:
-        """Wait for the push in flight; its failure is expected when an engine of the group left under it."""
+    def _settle_push(self, version: int) -> None:
+        """Wait for the push in flight, heartbeating meanwhile; its failure is expected when an engine of
+        the group left under it."""
+        if self._pushing is not None:
+            self.finish_push(version)
+            return
         try:
-            self.wait_push()
-        except ActorDied:
+            self.wait_push(meanwhile=lambda: self.detect(version))
+        except (ActorDied, RestartsExhausted):
             raise
         except RunFailed as exc:
             log.info("the push in flight ended with the fleet's change: %s", exc)
@@ -362,60 +504,89 @@ class EngineSupervisor:
 
     # ------------------------------------------------------------------ scaling
     def _apply_scale_request(self, version: int) -> None:
-        """A new ``scale.json`` (``async-dapo scale``): start or remove engines to reach its count."""
-        if self.dir is None or not self.dir.scale.exists():
+        """A new ``scale.json`` (``async-dapo scale``): start or remove engines to reach its count. New means
+        other bytes than the request handed out last (checkpoints.ScaleWatch: the request's number makes each
+        one differ; an mtime can repeat). One that cannot be read (not a regular file, unreadable, too big)
+        or asks for a count out of range is logged and recorded as ``scale_refused``, and the run goes on.
+        Every answer carries the request's ``seq``: ``async-dapo scale --wait-s`` waits for it."""
+        if self._scale_watch is None:
             return
-        mtime = self.dir.scale.stat().st_mtime_ns
-        if mtime == self._scale_seen:
-            return
-        self._scale_seen = mtime
         try:
-            target = scale_target(self.cfg, self.dir.scale.read_text())
+            request = self._scale_watch.poll()
+        except ScaleRefused as exc:  # every OSError of the read: refused, never raised out of poll()
+            log.error("scale request refused: %s", exc)
+            self._event("scale_refused", seq=None, reason=str(exc))
+            return
+        if request is None:
+            return
+        try:
+            target = scale_target(self.cfg, request.text)
         except ValueError as exc:
-            log.error("scale request %s ignored: %s", self.dir.scale, exc)
-            self._event("scale_refused", reason=str(exc))
+            log.error("scale request #%s (%s) refused: %s", request.seq, self.dir.scale, exc)
+            self._event("scale_refused", seq=request.seq, reason=str(exc))
             return
         ranks = sorted(set(self.placed.engines) | set(self.starting))
         if target > len(ranks):
-            self._scale_up(target, ranks)
+            self._scale_up(target, ranks, request.seq)
         elif target < len(ranks):
-            self._scale_down(target, ranks)
+            self._scale_down(target, ranks, version, request.seq)
+        else:  # nothing to change, answered all the same
+            log.info("scale request #%s: the fleet has %d engine(s) already", request.seq, target)
+            self._event("scale", seq=request.seq, engines=target, adding=[], removing=[])
 
-    def _scale_up(self, target: int, ranks: list[int]) -> None:
+    def _scale_up(self, target: int, ranks: list[int], seq: int | None = None) -> None:
         try:
             self.placed.check_room(target)
         except RunFailed as exc:
             log.error("scale to %d engines refused: %s", target, exc)
-            self._event("scale_refused", engines=target, reason=str(exc))
+            self._event("scale_refused", seq=seq, engines=target, reason=str(exc))
             return
         free = [r for r in range(target + len(ranks)) if r not in ranks][:target - len(ranks)]
         log.warning("scaling to %d engines: adding rollout actor(s) %s in the background", target, free)
-        self._event("scale", engines=target, adding=free)
+        self._event("scale", seq=seq, engines=target, adding=free)
         for rank in free:
             self._start(rank, "added")
 
-    def _scale_down(self, target: int, ranks: list[int]) -> None:
+    def _scale_down(self, target: int, ranks: list[int], version: int, seq: int | None = None) -> None:
         """Engines still starting go first (newest first), then the serving ones with the highest ranks."""
         order = sorted(self.starting, reverse=True) + sorted(self.placed.engines, reverse=True)
         gone = order[:len(ranks) - target]
         log.warning("scaling to %d engines: removing rollout actor(s) %s", target, gone)
-        self._event("scale", engines=target, removing=gone)
-        self._settle_push()  # not under a push to an engine about to be shut down
+        self._event("scale", seq=seq, engines=target, removing=gone)
+        self._settle_push(version)  # not under a push to an engine about to be shut down
+        handles = []
         for rank in gone:
             if rank in self.starting:
                 self._drop_starting(rank)
                 self._event("removed", rank=rank, reason="scaled_down", released_prompts=0)
             else:
-                self._remove(rank, "scaled_down", graceful=True)
+                handles.append(self._remove(rank, "scaled_down", graceful=True))
             self.failed_at.pop(rank, None)
             self.placed.remove_engine_group(rank)
+        self._shut_down(handles)
+
+    def _shut_down(self, handles: list) -> None:
+        """Shut removed engines down all at once, bounded by placement.health_check_timeout_s, then end
+        them by handle (a hung one too)."""
+        import ray
+
+        bound = self.cfg.placement.health_check_timeout_s
+        _, failed, late = fan_out({i: h.shutdown.remote() for i, h in enumerate(handles)}, timeout_s=bound)
+        if failed or late:
+            log.warning("shutdown of removed engines: %d failed, %d did not answer in %.0f s; ending them by handle",
+                        len(failed), len(late), bound)
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
 
     # ------------------------------------------------------------------ record
     def _event(self, event: str, **fields: Any) -> None:
         if self.dir is None:
             return
-        with self.dir.fleet.open("a") as f:
-            f.write(json.dumps({"time": time.time(), "event": event, **fields}) + "\n")
+        try:  # a record the run cannot write (fleet.jsonl replaced by a directory, a full disk) is logged, not fatal
+            with self.dir.fleet.open("a") as f:
+                f.write(json.dumps({"time": time.time(), "event": event, **fields}) + "\n")
+        except OSError as exc:
+            log.error("fleet event %s not recorded in %s: %s", event, self.dir.fleet, exc)
 
 
 def scale_target(cfg, text: str) -> int:

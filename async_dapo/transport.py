@@ -20,19 +20,35 @@ Why PUSH/PULL (and not DEALER/ROUTER):
 
 Authentication (only the run's own producers are heard):
   - The replay queue creates a per-run secret with ``new_secret()`` and hands it to the rollout
-    actors over Ray (the control plane); it never travels over the zmq socket. With a secret, every
-    message is ONE frame: a 32-byte tag ``HMAC-SHA256(secret, payload)`` followed by the payload
-    (the msgpack bytes of ``async_dapo.wire``).
-  - A receiver with a secret checks the tag (``hmac.compare_digest``) before it parses a single
-    byte of msgpack, so a foreign sender -- even one that sends well-formed groups -- reaches only
-    the HMAC and is counted as ``rejected_auth``; so is a frame signed with another run's secret
-    or tampered with in flight.
-  - ``secret=None`` on both ends keeps the unsigned format (unit tests, back-compat). Both ends
-    must agree: a signed frame at an unsigned receiver is not msgpack, and vice versa.
-  - This authenticates, it does not encrypt, and the socket layer has no replay protection:
-    someone who can read the run's traffic can re-send a captured frame. It can only repeat a
-    group this run produced, and the replay queue drops it (its ticket was used by the first
-    copy: ``rejected_unexpected``). Keep the socket on a trusted network for confidentiality.
+    actors over Ray (the control plane); it never travels over the zmq socket. Two things are derived
+    from it: the CURVE keys of the connection handshake, and the key of a per-message HMAC.
+  - Handshake (CURVE, RFC 26): the receiver is a CURVE server whose secret key is
+    ``HMAC-SHA256(secret, b"async_dapo curve server v1")``; every producer uses the client keypair
+    derived the same way (``b"... client v1"``) and the server's public key, and the ZAP handler
+    (``_PeerGate``) admits a connection only if its client key is that key (``hmac.compare_digest``).
+    Neither key crosses the wire, so a peer without the secret cannot finish the handshake: its HELLO
+    does not open, or its key is refused. It never holds a peer slot (see Peers below) and none of its
+    frames is ever read; each such handshake counts as ``rejected_handshake``.
+  - Why CURVE and not PLAIN: PLAIN would send its token in clear, so anyone who can read the run's
+    traffic could take the peer slots with it (the token is per-run and reveals neither the secret nor
+    how to sign a message, but that is enough for this attack). CURVE proves knowledge of the keys
+    without sending them, and encrypts and authenticates every message on the way (libsodium, in
+    pyzmq's wheels: ``zmq.has("curve")``). Its cost: 33 bytes per message on the wire (see the hard
+    cap below) and one XSalsa20-Poly1305 pass per message on each side, decrypted in place in zmq's
+    I/O thread (measured on a loaded 2-core box: ~1 ms per MiB per side; 1 MiB messages, one
+    connection, signing included: 360 MB/s, against 3.7 GB/s unsigned over NULL).
+  - Message tag (kept under CURVE, from before it and as a second check): every message is ONE
+    frame, a 32-byte tag ``HMAC-SHA256(secret, payload)`` followed by the payload (the msgpack bytes
+    of ``async_dapo.wire``). A receiver with a secret checks the tag (``hmac.compare_digest``) before
+    it parses a single byte of msgpack; a bad tag counts as ``rejected_auth``. Only a peer that passed
+    the handshake, so one holding the secret (in practice, a producer built with the wrong flags or
+    a test), can send such a frame. The key labels are not msgpack maps, so no group tag is a key.
+  - ``secret=None`` on both ends keeps the NULL mechanism and the unsigned format (unit tests,
+    back-compat): no credential, any peer that reaches the port is heard. Both ends must agree: a
+    CURVE client cannot talk to a NULL server and vice versa (``rejected_handshake``).
+  - CURVE's nonces make a captured message useless on another connection, and the traffic is
+    confidential. A group repeated by one of the run's own producers is dropped by the replay queue
+    (its ticket was used by the first copy: ``rejected_unexpected``).
 
 Limits on hostile or broken input (the receiver never raises on bad input):
   - Each message is checked in this order and counted under the first reason that applies
@@ -44,39 +60,57 @@ Limits on hostile or broken input (the receiver never raises on bad input):
     ``max_message_bytes`` raises ``OversizedMessage`` instead of sending such a group, so the
     caller can account for it rather than have it vanish at the receiver.
   - The hard cap H (zmq ``MAXMSGSIZE``, default ``max(2 * max_message_bytes, max_message_bytes +
-    1 MiB)``, plus the 32 tag bytes with a secret; ``config.receive_hard_cap``) bounds each message:
+    1 MiB)``, plus the 32 tag bytes with a secret; ``config.receive_hard_cap``) bounds each message as
+    it is on the wire: with a secret, CURVE's box around the frame, 33 bytes more (``CURVE_OVERHEAD``;
+    an explicit H must be at least max_message_bytes + 32 + 33, which the default exceeds by 1 MiB):
     zmq refuses to read a larger one and disconnects that peer. That message (and anything else in
     flight on that connection) is lost and is NOT counted, because zmq reports it to no socket
     call; the sender reconnects by itself and later messages flow again.
-  - Peers: at most ``max_peers`` TCP connections are open at once (the run's: transport.max_peers,
-    None = 2 x placement.max_engines). A ZAP handler (``_PeerGate``, one thread per receiver) answers
-    every new connection after the greeting, before any of its message frames is read; while
-    ``max_peers`` connections are open (admitted ones and ones still in their handshake, the asking one
-    included) it refuses it, and each refusal counts as ``rejected_peers``. libzmq does not retry a
-    refused connection and drops what was queued for it; ``GroupSender`` connects again 0.5-1.5 s later
-    (jittered) from inside its send calls, so a producer gets in once a slot frees. A burst of more
-    than ``max_peers`` simultaneous connections is refused whole and gets in over the next retries.
-    A peer on a dead node (no FIN) frees its slot through TCP keepalive (~60 s idle), not ZMTP
-    heartbeats: those disconnect a live peer whenever we stop reading for longer than their timeout
+  - Handshakes: a connection that does not finish its handshake within ``_HANDSHAKE_MS`` (zmq
+    HANDSHAKE_IVL, 5 s) is closed by zmq. ``rejected_handshake`` counts each handshake zmq reports as
+    failed (no CURVE, a box that does not open, not ZMTP, closed or silent until that timeout; also
+    a CURVE box of an admitted peer that does not open, which ends that connection) and each one our
+    handler refuses for its key. A hostile peer may make one failure count twice; it is a counter of
+    events, not of hosts.
+  - Peers: at most ``max_peers`` admitted connections at once (the run's: transport.max_peers, None =
+    2 x placement.max_engines). A ZAP handler (``_PeerGate``, one thread per receiver) answers every
+    new connection after the greeting (with CURVE: after its key is proven), before any of its message
+    frames is read. It refuses a connection without the run's key (above) and, while ``max_peers``
+    connections may hold a slot, one with it; each of the latter refusals counts as ``rejected_peers``.
+    zmq's monitor does not say which connection a handshake event is about, so the gate counts slots
+    conservatively: every connection open longer than the handshake timeout + ``_SETTLE_S`` (nothing
+    else survives the timeout), plus, of the younger ones, at most as many as it admitted in that
+    window. So connections still in their handshake take a slot only if the gate admitted as many
+    recently; a foreign flood, admitted never, takes none. The price: a producer connection that
+    closes within that window (~7 s) of its admission may keep a slot until the window passes its
+    admission, but only while other young connections are open.
+    libzmq does not retry a refused connection and drops what was queued for it; ``GroupSender``
+    connects again 0.5-1.5 s later (jittered) from inside its send calls, so a producer gets in once a
+    slot frees. A peer on a dead node (no FIN) frees its slot through TCP keepalive (~60 s idle), not
+    ZMTP heartbeats: those disconnect a live peer whenever we stop reading for longer than their timeout
     (its PONG waits behind the data we do not read), losing what was in flight.
   - Bytes, all peers together: every peer's receive HWM is ``rcvhwm = min(100, (budget // H - 1) //
     max_peers - 3)`` messages, so zmq holds at most ``worst_case_bytes = (max_peers x (rcvhwm + 3) + 1)
     x H <= receive_budget_bytes`` (``config.receive_hwm``). Per admitted peer: ``rcvhwm`` messages in
     its pipe; one in its decoder (zmq allocates a message's declared size when it reads its header,
     and keeps a complete message it could not queue); two copies of the properties of its handshake
-    READY command, a frame of up to H that zmq keeps for the connection's life. Plus the one message
-    ``arecv`` is examining. Measured (peers flooding frames of ~H while we do not read): the peak RSS
-    grows by max_peers x (rcvhwm + 1) frames + ~0.5 MiB, and a hand-made READY carrying a 40 MiB
-    property costs 120 MiB at its peak and keeps 80 MiB. The kernel's TCP buffers (several MiB per
+    READY (with CURVE: INITIATE) command, a frame of up to H that zmq keeps for the connection's life.
+    Plus the one message ``arecv`` is examining. Measured (peers flooding frames of ~H while we do not
+    read): the peak RSS grows by max_peers x (rcvhwm + 1) frames + ~0.5 MiB (the same under CURVE), and
+    a hand-made READY carrying a 40 MiB property costs 120 MiB at its peak and keeps 80 MiB (measured
+    under NULL). The kernel's TCP buffers (several MiB per
     connection on loopback) hold more, outside the process.
   - Not bounded by the budget: a connection the gate refuses can, before its answer, make zmq read one
-    frame of up to H (its READY, ~1 H, freed when zmq closes it at the refusal), and the number of
-    connections in their handshake at once is bounded only by the file-descriptor limit (each also
-    holds ~8 KiB until zmq's handshake timeout, 30 s). libzmq producers send a READY of a few bytes.
-  - A flood from a foreign sender that was admitted costs CPU (one HMAC per frame) but not more memory
-    than any peer; PULL fair-queues across peers, so the flood cannot starve the real producers. The
-    NULL mechanism has no credentials, so a foreign host that can reach the port can take peer slots
-    (and so keep producers out): keep the port on the run's network.
+    frame of up to H (its READY, with CURVE its INITIATE, ~1 H, freed when zmq closes it at the
+    refusal), and the number of connections in their handshake at once is bounded only by the
+    file-descriptor limit (each also holds ~8 KiB until the handshake timeout, 5 s). libzmq producers
+    send a READY/INITIATE of a few hundred bytes. With CURVE, only a peer with the server's key gets
+    past its HELLO (200 bytes, checked before any larger frame), but any peer can make zmq allocate
+    the declared size of one frame of up to H before it closes the connection.
+  - A flood of frames from an admitted peer (one with the secret) costs CPU (one decryption and one
+    HMAC per frame) but not more memory than any peer; PULL fair-queues across peers, so the flood
+    cannot starve the other producers. Without a secret (NULL) any host that can reach the port can
+    take peer slots: that mode is for tests.
   - Inside msgpack, declared lengths are bounded by the message size (see ``async_dapo.wire``),
     so a header claiming a 4-billion-element array fails at once instead of allocating.
   - The receiver binds 127.0.0.1 unless another host is configured explicitly.
@@ -87,6 +121,7 @@ receiver.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
@@ -98,6 +133,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from async_dapo.config import (
@@ -114,7 +150,10 @@ from async_dapo.wire import Group, OversizedMessage, SchemaMismatch, WireError, 
 if TYPE_CHECKING:
     from async_dapo.config import Config
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "TAG_BYTES", "GroupReceiver", "GroupSender", "new_secret"]
+__all__ = [
+    "CURVE_OVERHEAD", "DEFAULT_MAX_MESSAGE_BYTES", "TAG_BYTES", "GroupReceiver", "GroupSender", "new_secret",
+    "producer_credentials",
+]
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +161,17 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # same default as TransportConfig.
 DEFAULT_MAX_PEERS = 8  # a receiver built by hand; the run's comes from the config (receive_max_peers)
 _COUNTER_NAMES = (
     "received", "rejected_auth", "rejected_malformed", "rejected_oversized", "rejected_schema",
-    "rejected_peers",
+    "rejected_peers", "rejected_handshake",
 )
 TAG_BYTES = hashlib.sha256().digest_size  # 32: the HMAC-SHA256 tag that leads a signed frame
 assert TAG_BYTES == RECEIVE_TAG_BYTES  # config sizes the run's budget with the same tag
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27), one handler per zmq context
 _ZAP_DOMAIN = b"async_dapo"  # any non-empty domain makes libzmq ask the handler, NULL mechanism included
+# A CURVE MESSAGE command wraps each frame: its name (8 bytes), a short nonce (8), the box's MAC (16), flags (1).
+CURVE_OVERHEAD = 33
+_CURVE_LABEL = b"async_dapo curve %s v1"  # HMAC(secret, label) is that role's CURVE secret key
+_HANDSHAKE_MS = 5000  # zmq HANDSHAKE_IVL of the receiver: a connection still in its handshake then is closed
+_SETTLE_S = 2.0  # + slack for zmq's I/O thread: a connection open longer than both has been admitted
 _GATE_POLL_MS = 200  # the gate thread re-checks its stop flag at least this often
 _GATE_JOIN_S = 5.0
 _REJOIN_AFTER_S = (0.5, 1.5)  # a refused sender connects again this long (uniform) after the refusal ...
@@ -155,6 +199,27 @@ def _check_secret(secret: bytes | None) -> bytes | None:
 
 def _tag(secret: bytes, payload: Any) -> bytes:
     return hmac.digest(secret, payload, "sha256")
+
+
+def _curve_keypair(secret: bytes, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 CURVE keys of ``role`` ("server" or "client"), derived from the run's secret.
+
+    Any 32 bytes are a Curve25519 secret key. The label is not a msgpack map, so it is never a payload
+    whose tag a producer sends (an encoded group always is one): no key is ever on the wire.
+    """
+    private = z85.encode(hmac.digest(secret, _CURVE_LABEL % role.encode(), "sha256"))
+    return zmq.curve_public(private), private
+
+
+def producer_credentials(secret: bytes) -> dict[int, bytes]:
+    """Socket options that make a zmq socket one of the run's producers at the handshake (CURVE keys).
+
+    ``GroupSender`` sets them; tests use them on bare sockets. Set them before ``connect``.
+    """
+    secret = _check_secret(secret)
+    server_public, _ = _curve_keypair(secret, "server")
+    public, private = _curve_keypair(secret, "client")
+    return {zmq.CURVE_SERVERKEY: server_public, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: private}
 
 
 def _tcp_endpoint(host: str, port: int | None = None) -> str:
@@ -202,6 +267,9 @@ class GroupSender:
         try:
             self._sock.setsockopt(zmq.SNDHWM, hwm)
             self._sock.setsockopt(zmq.LINGER, linger_ms)  # bounded: close() never hangs forever
+            if self._secret is not None:
+                for option, value in producer_credentials(self._secret).items():
+                    self._sock.setsockopt(option, value)
             # Read only in this sender's own calls: a refused handshake ends libzmq's endpoint for good.
             self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self._sock.connect(address)
@@ -270,8 +338,8 @@ class GroupSender:
                 self._rejoin_at = time.monotonic() + delay
                 self.refusals += 1
                 level = logging.WARNING if self.refusals == 1 else logging.DEBUG  # it retries every second
-                log.log(level, "receiver %s refused this sender (too many peers); connecting again in %.1f s",
-                        self.address, delay)
+                log.log(level, "receiver %s refused this sender (too many peers, or not the run's key); "
+                        "connecting again in %.1f s", self.address, delay)
         if self._rejoin_at is not None and time.monotonic() >= self._rejoin_at:
             self._rejoin_at = None
             self._sock.connect(self.address)
@@ -290,32 +358,46 @@ class GroupSender:
 
 
 class _PeerGate:
-    """ZAP handler of one receiver: admits a connection only while at most ``max_peers`` are open.
+    """ZAP handler of one receiver: admits a connection with the run's key while fewer than ``max_peers``
+    connections may hold a slot.
 
     libzmq asks it (over ``inproc://zeromq.zap.01`` of the receiver's own context) about every new
-    connection after the greeting and before any message frame is read; "400" makes libzmq send the
-    ZMTP ERROR command and close the connection (the peer's libzmq then gives that endpoint up: see
-    ``GroupSender._rejoin_if_refused``). Open connections are tracked by fd from the socket
-    monitor (ACCEPTED / DISCONNECTED; libzmq emits DISCONNECTED for every engine that ends, refused
-    ones included). The count includes connections still in their handshake, the asking one among
-    them, so it never undercounts admitted peers: admitted <= open <= max_peers at every admission.
-    ``pyzmq.auth`` authenticators only know address allow/deny lists and credentials, no count.
+    connection after the greeting (with CURVE: once the client proved its key) and before any message
+    frame is read; "400" makes libzmq send the ZMTP ERROR command and close the connection (the peer's
+    libzmq then gives that endpoint up: see ``GroupSender._rejoin_if_refused``). ``pyzmq.auth``
+    authenticators only know address allow/deny lists and credentials, no count.
+
+    Slots. The socket monitor tells which connections are open, by fd (ACCEPTED / DISCONNECTED; libzmq
+    emits DISCONNECTED for every engine that ends, refused ones included), but not which of them were
+    admitted: its handshake events carry no fd. So at each request the gate counts as holding a slot
+    every connection open for longer than the handshake timeout + ``_SETTLE_S`` ("settled": zmq closes
+    any other), plus, of the younger ones (the asking one left out), no more than it admitted within
+    that window. Every admitted connection is counted: settled, or young with its admission in the
+    window (it was admitted after the gate saw it open). So admitted <= counted <= max_peers at every
+    admission, and connections the gate never admitted (foreign ones, still in their handshake or
+    refused) are counted only where recent admissions make up for them.
 
     One daemon thread owns both sockets after ``start``; it stops when the monitored socket closes
     (MONITOR_STOPPED) or on ``stop``, and never blocks longer than ``_GATE_POLL_MS`` per poll.
     """
 
-    def __init__(self, ctx: zmq.Context, pull: zmq.Socket, max_peers: int, counts: dict[str, int]) -> None:
+    _FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+    def __init__(self, ctx: zmq.Context, pull: zmq.Socket, max_peers: int, counts: dict[str, int],
+                 client_key: bytes | None, settle_s: float) -> None:
         self.max_peers = max_peers
-        self._counts = counts  # this thread is the only writer of counts["rejected_peers"]
-        self._open: set[int] = set()
+        self._counts = counts  # this thread is the only writer of rejected_peers and rejected_handshake
+        self._client_key = client_key  # the run's CURVE client public key (32 bytes); None: NULL, no check
+        self._settle_s = settle_s
+        self._open: dict[int, float] = {}  # fd -> when the gate saw it accepted (monotonic)
+        self._admitted: collections.deque[float] = collections.deque()  # when, within the last settle_s
         self._stop = threading.Event()
-        self._warned = False
+        self._warned: set[str] = set()
         self._zap = ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         try:
             self._zap.bind(_ZAP_ENDPOINT)  # before the PULL binds: no connection may skip the gate
-            events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+            events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED | self._FAILED
             self._monitor = pull.get_monitor_socket(events)
         except BaseException:
             self._zap.close(linger=0)
@@ -364,43 +446,68 @@ class _PeerGate:
             except zmq.Again:
                 return True
             if event["event"] == zmq.EVENT_ACCEPTED:
-                self._open.add(event["value"])
+                self._open[event["value"]] = time.monotonic()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._open.discard(event["value"])
+                self._open.pop(event["value"], None)
+            elif event["event"] & self._FAILED:
+                self._count("rejected_handshake", "a handshake failed (no CURVE or not the run's server key, "
+                            "not ZMTP, or closed/silent until the handshake timeout)")
             elif event["event"] == zmq.EVENT_MONITOR_STOPPED:
                 return False
 
     def _answer(self, request: list[bytes]) -> None:
         # The asking connection's ACCEPTED was queued before its engine started (one I/O thread), so
-        # draining the monitor first makes it part of the count.
+        # draining the monitor first makes it one of the open (and young) connections.
         self._track()
         if len(request) < 6 or request[0] != b"1.0":
             status, text = b"400", b"malformed ZAP request"
-        elif len(self._open) <= self.max_peers:
+        elif not self._has_key(request):
+            status, text = b"400", b"not the run's key"
+            self._count("rejected_handshake", f"refused a connection from {request[3].decode(errors='replace')}: "
+                        f"{request[5].decode(errors='replace')} without the run's key")
+        elif self._held() < self.max_peers:
             status, text = b"200", b"OK"
+            self._admitted.append(time.monotonic())
         else:
             status, text = b"400", b"too many peers"
-            self._refused(request[3])
+            self._count("rejected_peers", f"refused a connection from {request[3].decode(errors='replace')}: "
+                        f"{self._held()} slots held, max_peers {self.max_peers}")
         request_id = request[1] if len(request) > 1 else b""
         self._zap.send_multipart([b"1.0", request_id, status, text, b"", b""])
 
-    def _refused(self, address: bytes) -> None:
-        self._counts["rejected_peers"] += 1
-        # One warning, then debug: a refused GroupSender connects again every 0.5-1.5 s while it sends.
-        level = logging.DEBUG if self._warned else logging.WARNING
-        self._warned = True
-        log.log(level, "refused a connection from %s: %d connections open, max_peers %d",
-                address.decode(errors="replace"), len(self._open), self.max_peers)
+    def _has_key(self, request: list[bytes]) -> bool:
+        if self._client_key is None:
+            return True  # no secret: the NULL mechanism, nothing to check
+        # Frames 5, 6: mechanism and (CURVE) the client's long-term public key, which it has proven to hold.
+        return request[5] == b"CURVE" and len(request) == 7 and hmac.compare_digest(request[6], self._client_key)
+
+    def _held(self) -> int:
+        """Slots that connections may hold, never fewer than admitted ones do (see the class docstring)."""
+        settled_before = time.monotonic() - self._settle_s
+        while self._admitted and self._admitted[0] <= settled_before:
+            self._admitted.popleft()
+        young = sum(seen > settled_before for seen in self._open.values())
+        return len(self._open) - young + min(max(young - 1, 0), len(self._admitted))
+
+    def _count(self, counter: str, reason: str) -> None:
+        self._counts[counter] += 1
+        # One warning per kind, then debug: a refused GroupSender connects again every 0.5-1.5 s while it
+        # sends, and a flood of foreign connections must not flood the logs too.
+        level = logging.DEBUG if counter in self._warned else logging.WARNING
+        self._warned.add(counter)
+        log.log(level, "%s: %s", counter, reason)
 
 
 class GroupReceiver:
     """PULL side: the replay queue binds one and receives valid groups from every sender.
 
     ``arecv`` returns only valid groups; everything else is dropped and counted in ``counters``
-    (the last reason is in ``last_error``), and it never raises on bad input.
-    At most ``max_peers`` connections are admitted; zmq buffers at most ``worst_case_bytes`` for
-    all of them together (<= ``receive_budget_bytes``, see the module docstring). Each receiver owns
-    its zmq context: the ZAP handler that enforces ``max_peers`` is one per context.
+    (the last reason is in ``last_error``), and it never raises on bad input. With ``secret`` it is a
+    CURVE server that admits only the run's producers (``producer_credentials``); handshakes it refuses
+    are counted too (``rejected_handshake``, ``rejected_peers``). At most ``max_peers`` connections are
+    admitted; zmq buffers at most ``worst_case_bytes`` for all of them together (<=
+    ``receive_budget_bytes``, see the module docstring). Each receiver owns its zmq context: the ZAP
+    handler that enforces ``max_peers`` is one per context.
     """
 
     def __init__(
@@ -421,8 +528,11 @@ class GroupReceiver:
         # Frame bytes beyond the payload: a payload of exactly max_message_bytes must still fit.
         self._overhead = TAG_BYTES if self._secret is not None else 0
         self.hard_cap_bytes = hard_cap_bytes or receive_hard_cap(max_message_bytes, self._overhead)
-        if self.hard_cap_bytes < max_message_bytes + self._overhead:
-            raise ValueError("hard_cap_bytes must be >= max_message_bytes (+ the HMAC tag with a secret)")
+        # The cap is on the frame as zmq reads it: with a secret, inside CURVE's box.
+        wire_overhead = self._overhead + (CURVE_OVERHEAD if self._secret is not None else 0)
+        if self.hard_cap_bytes < max_message_bytes + wire_overhead:
+            raise ValueError("hard_cap_bytes must be >= max_message_bytes (+ the HMAC tag and CURVE's "
+                             f"{CURVE_OVERHEAD} bytes with a secret)")
         self._size_buffers(max_peers, receive_budget_bytes)
         self._counts = dict.fromkeys(_COUNTER_NAMES, 0)
         self._warned: set[str] = set()
@@ -433,7 +543,9 @@ class GroupReceiver:
         self._sock = self._ctx.socket(zmq.PULL)
         try:
             self._configure()
-            self._gate = _PeerGate(self._ctx, self._sock, max_peers, self._counts)
+            client_key = None if self._secret is None else z85.decode(_curve_keypair(self._secret, "client")[0])
+            self._gate = _PeerGate(self._ctx, self._sock, max_peers, self._counts, client_key,
+                                   settle_s=_HANDSHAKE_MS / 1000 + _SETTLE_S)
             self._gate.start()
             self.port = self._bind(bind_host, port)
         except BaseException:
@@ -466,6 +578,10 @@ class GroupReceiver:
         sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
         # Refuse (rather than admit unchecked) if the gate's handler were ever missing.
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)  # the gate's slot count relies on it (_PeerGate)
+        if self._secret is not None:  # a CURVE server: only a peer with the run's keys gets through
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, _curve_keypair(self._secret, "server")[1])
         for option, value in _KEEPALIVE.items():
             sock.setsockopt(option, value)
 
@@ -478,16 +594,17 @@ class GroupReceiver:
         return port
 
     @classmethod
-    def from_config(cls, cfg: Config, **kwargs: Any) -> GroupReceiver:
-        """The run's receiver: transport.* with max_peers resolved (None = 2 x placement.max_engines)."""
+    def from_config(cls, cfg: Config, bind_host: str | None = None, **kwargs: Any) -> GroupReceiver:
+        """The run's receiver: transport.* with max_peers resolved (None = 2 x placement.max_engines) and
+        ``bind_host`` (default transport.bind_host) an address already resolved by the caller."""
         t = cfg.transport
-        return cls(t.bind_host, t.port, t.max_message_bytes,
+        return cls(bind_host or t.bind_host, t.port, t.max_message_bytes,
                    max_peers=receive_max_peers(t.max_peers, cfg.placement.max_engines or cfg.placement.num_engines),
                    receive_budget_bytes=t.receive_budget_bytes, **kwargs)
 
     @property
     def open_connections(self) -> int:
-        """TCP connections now open (admitted or still in their handshake), as the gate counts them."""
+        """TCP connections now open (admitted, or still in their handshake: foreign ones included)."""
         return self._gate.open_connections
 
     @property

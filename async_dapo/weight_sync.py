@@ -41,7 +41,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 
 from async_dapo.device import dist_backend, engine_dtype, learner_backend
 from async_dapo.shards import snapshot, unpad
-from async_dapo.supervise import RunFailed
+from async_dapo.supervise import RunFailed, engines_failed, fan_out
 
 log = logging.getLogger("async_dapo")
 
@@ -117,14 +117,16 @@ def rendezvous_endpoint(bind_host: str) -> tuple[str, int]:
 
 def open_update_group(
     master_addr: str, master_port: int, world_size: int, group_name: str, backend: str, timeout_s: float,
-    rank: int = 0,
+    rank: int = 0, join_timeout_s: float | None = None,
 ):
     """Rank 0 (the learner) of the weight-update group; blocks until every engine rank has joined (each
-    engine calls ``init_weights_update_group(..., rank_offset=1)`` concurrently), at most ``timeout_s``.
-    Tests open a receiving rank the same way (``rank`` > 0)."""
+    engine calls ``init_weights_update_group(..., rank_offset=1)`` concurrently), at most ``join_timeout_s``
+    (default ``timeout_s``, the bound of each collective on the group). Tests open a receiving rank the same
+    way (``rank`` > 0)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world = next(rendezvous(f"tcp://{master_addr}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    join = datetime.timedelta(seconds=join_timeout_s or timeout_s)
+    store, rank, world = next(rendezvous(f"tcp://{master_addr}:{master_port}", rank, world_size, timeout=join))
+    store.set_timeout(join)
     pg, _ = _new_process_group_helper(
         world, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
         backend_options=None, timeout=timeout,
@@ -163,37 +165,52 @@ class WeightGroup:
     def name(self) -> str:
         return group_name(self.generation)
 
-    def open(self, learner, engines: list) -> None:
-        """Form the group: learner rank 0 and every engine join concurrently at a fresh endpoint, bounded by
-        weight_sync.timeout_s; the learner is told the engines' weight dtype (each resolves it where it runs)."""
+    def open(self, learner, engines: dict) -> None:
+        """Form the group: learner rank 0 and every engine (``engines``: rank -> actor, in group order) join
+        at a fresh endpoint at once; the learner is told the engines' weight dtype (each resolves it where it
+        runs). Every step is bounded by placement.health_check_timeout_s for all engines together (a
+        rendezvous takes seconds); EnginesFailed names the engines that failed or did not answer."""
         host, port = self.endpoint()
-        tp, timeout = self.cfg.rollout.engine.tp_size, self.cfg.weight_sync.timeout_s
+        tp, bound = self.cfg.rollout.engine.tp_size, self.cfg.placement.health_check_timeout_s
         world = 1 + tp * len(engines)
-        dtypes = set(self.get([e.weight_dtype.remote() for e in engines], "engines' weight dtype"))
-        if len(dtypes) != 1:
-            raise RunFailed(f"engines hold their weights in different dtypes {sorted(dtypes)}: "
+        dtypes, failed, late = fan_out({r: e.weight_dtype.remote() for r, e in engines.items()}, timeout_s=bound)
+        engines_failed("engines' weight dtype", failed, late, bound)
+        if len(set(dtypes.values())) != 1:
+            raise RunFailed(f"engines hold their weights in different dtypes {sorted(set(dtypes.values()))}: "
                             "set rollout.engine.dtype")
-        joins = [e.join_weight_group.remote(host, port, world, 1 + i * tp, self.name, self.backend)
-                 for i, e in enumerate(engines)]
-        self.get(learner.open_weight_group.remote(host, port, world, self.name, dtypes.pop()), f"open {self.name}",
-                 timeout)
-        self.get(joins, f"engines joining {self.name}", timeout)
+        joins = {r: e.join_weight_group.remote(host, port, world, 1 + i * tp, self.name, self.backend)
+                 for i, (r, e) in enumerate(engines.items())}
+        opened = learner.open_weight_group.remote(host, port, world, self.name, dtypes.popitem()[1], bound)
+        _, failed, late = fan_out(joins, timeout_s=bound + 5)  # the learner's rendezvous gives up after bound
+        what = f"learner rank 0 opening {self.name}"
+        if failed or late:  # the learner's side fails with them (within its bound): name the engines
+            _quietly(lambda: self.get(opened, what, bound + 10))
+            engines_failed(f"engines joining {self.name}", failed, late, bound)
+        self.get(opened, what, bound + 10)
 
-    def rebuild(self, learner, engines: list) -> None:
-        """A new group (new name, new port) with ``engines`` (every serving one): the learner closes the old
-        one first (on gloo that also fails any engine still blocked in it), then the survivors leave it."""
-        import ray
-
-        old, ws = self.name, self.cfg.weight_sync
+    def rebuild(self, learner, engines: dict) -> None:
+        """A new group (new name, new port) with ``engines`` (rank -> actor, every serving one): the learner
+        closes the old one first (on gloo that also fails any engine still blocked in it), then the engines
+        leave it, all at once; one that does not answer in placement.health_check_timeout_s is named
+        (EnginesFailed) before the new group is formed without it."""
+        old, ws, bound = self.name, self.cfg.weight_sync, self.cfg.placement.health_check_timeout_s
         self.get(learner.close_weight_group.remote(), "close weight group", 2 * ws.timeout_s)
-        for e in engines:
-            try:
-                ray.get(e.leave_weight_group.remote(old), timeout=ws.timeout_s)
-            except Exception as exc:  # the replacement never joined the old group
-                log.debug("leave %s: %r", old, exc)
+        _, failed, late = fan_out({r: e.leave_weight_group.remote(old) for r, e in engines.items()}, timeout_s=bound)
+        for rank, why in failed.items():  # a replacement never joined the old group: refused, harmlessly
+            log.debug("rollout actor %d leaving %s: %s", rank, old, why)
+        died = {r: why for r, why in failed.items() if why.startswith("process died")}
         self.generation += 1
+        engines_failed(f"engines leaving {old}", died, late, bound)
         if engines:  # none serving (the only engine failed): no group until one comes up
             self.open(learner, engines)
+
+
+def _quietly(fn) -> None:
+    """Run ``fn``, logging (not raising) its failure: used where a clearer error is raised next."""
+    try:
+        fn()
+    except Exception as exc:
+        log.info("%r", exc)
 
 
 @dataclass(frozen=True)
@@ -229,13 +246,15 @@ class WeightSender:
         self._state: dict[str, Any] = {}
         self._result: dict[str, Any] = {}
 
-    def open(self, master_addr: str, master_port: int, world_size: int, name: str, dtype: str | None) -> None:
-        """Rank 0: become rank 0 of group ``name`` (engines join concurrently) and push in ``dtype`` (None:
-        rollout.engine.dtype as this rank's device resolves it). An earlier group is closed first."""
+    def open(self, master_addr: str, master_port: int, world_size: int, name: str, dtype: str | None,
+             join_timeout_s: float | None = None) -> None:
+        """Rank 0: become rank 0 of group ``name`` (engines join concurrently, at most ``join_timeout_s``,
+        default weight_sync.timeout_s) and push in ``dtype`` (None: rollout.engine.dtype as this rank's
+        device resolves it). An earlier group is closed first."""
         self.close()
         ws = self.cfg.weight_sync
         self._pg = open_update_group(master_addr, master_port, world_size, name,
-                                     dist_backend(self.device, ws.backend), ws.timeout_s)
+                                     dist_backend(self.device, ws.backend), ws.timeout_s, join_timeout_s=join_timeout_s)
         self._group_name = name
         self._dtype = getattr(torch, dtype) if dtype else None
 
@@ -294,6 +313,10 @@ class WeightSender:
             raise RuntimeError(f"weight push of version {self._result['version']} failed on rank "
                                f"{self.rank}: {error}")
         return time.perf_counter() - t0
+
+    def idle(self) -> bool:
+        """No push in flight (the last one's result, if any, is there for :meth:`wait`); never waits."""
+        return self._thread is None or not self._thread.is_alive()
 
     def last(self) -> dict[str, Any]:
         """The last finished push: version, push_s, bytes, engine_s, error."""
@@ -367,14 +390,18 @@ class WeightSender:
 
     def _engines_loaded(self, refs: list, on_loaded, version: int) -> float:
         """Rank 0: wait until the engines report the new weights loaded, then tell ``on_loaded``."""
-        engine_s = []
-        if refs:
-            import ray
-
-            engine_s = ray.get(refs, timeout=self.cfg.weight_sync.timeout_s)
+        engine_s, bound = {}, self.cfg.weight_sync.timeout_s
+        if refs:  # an engine the supervisor took out under the push (it hung) dies: the others keep the weights
+            engine_s, failed, late = fan_out(dict(enumerate(refs)), timeout_s=bound)
+            died = [i for i, why in failed.items() if why.startswith("process died")]
+            if late or len(died) < len(failed) or len(died) == len(refs):
+                raise RuntimeError("engines loading version {}: {}".format(version, "; ".join(
+                    [f"{i} {why}" for i, why in failed.items()] + [f"{i} no answer in {bound:.0f} s" for i in late])))
+            if died:
+                log.warning("push of version %d: engine(s) at %s died under it; the others loaded it", version, died)
         if on_loaded is not None:
             on_loaded(version)  # the engines run `version` now
-        return max(engine_s) if engine_s else 0.0
+        return max(engine_s.values()) if engine_s else 0.0
 
     def _join(self, timeout_s: float) -> str | None:
         """Join the push in flight (if any) and record its result; returns a message if it is still busy."""

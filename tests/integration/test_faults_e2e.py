@@ -13,6 +13,7 @@ outcome the user relies on (docs/reliability.md):
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -105,6 +106,55 @@ def test_killed_and_hung_rollout_actors_are_replaced_and_the_run_finishes(tiny_m
     print("\n".join(line[:160] for line in text.splitlines() if "rollout actor 0" in line))
     assert t_replaced - t_kill < 120  # noticed within a heartbeat, replaced within one engine start
     assert t_second - t_stop < 180  # + the stuck update's bound (weight_sync.timeout_s = 20 here)
+    assert not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    _assert_prompts_trained_once(run_dir)
+
+
+# settings -> (extra flags, placement.health_check_timeout_s they give)
+HANG_SETTINGS = {"test": (FAST, 10.0), "defaults": ([], 30.0)}
+STEPS = 20
+
+
+@pytest.mark.parametrize("settings", ["test", "defaults"])
+def test_an_engine_hung_inside_a_push_costs_the_learner_one_detection(tiny_model, tmp_path, settings):
+    """2 engines; engine 1's SGLang processes are SIGSTOPped (alive, silent) while the run trains. The next
+    push hangs on it (a heartbeat cannot tell: an engine loading weights produces nothing), so the push is
+    watched: past its bound, engine 1 has not loaded the version engine 0 has, and is taken out, which ends
+    the push for engine 0, who keeps the weights. The learner's longest step is asserted against
+    placement.health_check_timeout_s + the run's median step, with the test's short timeouts and with the
+    config's defaults."""
+    flags, hc = HANG_SETTINGS[settings]
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "async_dapo.cli", "train", "--config", str(CPU_CONFIG),
+           "--set", f"logging.run_dir={run_dir}", *SMALL, *flags, "--set", f"learner.total_steps={STEPS}",
+           "--set", "placement.num_engines=2", "--set", "placement.engine_cpus=0.5"]
+    proc = _start(cmd, log)
+    stopped: list[int] = []
+    try:
+        _wait(lambda: len(_train_rows(run_dir)) >= 4, proc, 600, "step 4")
+        hung = _actors(run_dir)["rollout"]["1"]
+        stopped = [c.pid for c in psutil.Process(hung).children(recursive=True)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        t_stop, step_then = time.time(), len(_train_rows(run_dir))
+        failed = lambda: [e for e in _rows(run_dir, "fleet.jsonl") if e["event"] == "failed"]  # noqa: E731
+        _wait(failed, proc, 600, "engine 1 taken out")
+        t_out = time.time()
+        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+    finally:
+        _end(proc)
+    rows = _train_rows(run_dir)
+    assert [m["train/version"] for m in rows] == [float(v) for v in range(1, STEPS + 1)]
+    steps = [m["perf/time_per_step"] for m in rows]
+    median, longest = statistics.median(steps), max(steps)
+    joined = [e for e in _rows(run_dir, "fleet.jsonl") if e["event"] == "joined"]
+    print(f"\n{settings}: SIGSTOP at step {step_then} -> taken out {t_out - t_stop:.1f} s later; learner's "
+          f"longest step {longest:.2f} s (step {steps.index(longest) + 1}), median {median:.2f} s, bound "
+          f"{hc:.0f} + {median:.2f} s; failed: {[e['reason'] for e in failed()]}; replacement joined after "
+          f"{[round(e['seconds'], 1) for e in joined]} s")
+    assert [e["rank"] for e in failed()] == [1] and "did not load weight version" in failed()[0]["reason"]
+    assert longest <= hc + median, [round(t, 2) for t in steps]
+    assert rows[-1]["rollout/engine_restarts"] == 1.0
     assert not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     _assert_prompts_trained_once(run_dir)
 

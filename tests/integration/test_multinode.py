@@ -14,8 +14,9 @@ stream, what transport.bind_host is for, never left its node.
    submits its two runs to the same cluster as jobs; both succeed and are summarised.
 
 The multi-node settings are the ones a real cluster needs: placement.nnodes 3 (the nodes the run spans,
-the queue's included), transport.bind_host 0.0.0.0 (the queue binds every interface of the driver's node and
-advertises that node's Ray address) and an absolute logging.run_dir on storage every node sees. Not under
+the queue's included), transport.bind_host node (the queue binds only the address Ray knows for its node
+and advertises it: on these nodes, which share one kernel, a queue advertising another node's loopback
+address could not be reached, so a wrong address fails the run instead of connecting anyway) and an absolute logging.run_dir on storage every node sees. Not under
 pytest's tmp_path: that is in /tmp, which config.rule_multi_node_run_dir_shared refuses (node-local on a real
 cluster), so the runs go to a fresh directory under the repository's runs/ (git-ignored, so the job's
 working-dir upload leaves it behind) or, for a clone that itself lives under /tmp, under
@@ -44,7 +45,9 @@ from tests.raycluster import RAY, LocalCluster
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 4
-MULTI_NODE = ["placement.nnodes=3", "transport.bind_host=0.0.0.0"]
+# bind_host=node: the queue listens on its own node's address only, so on these nodes (one kernel) a queue
+# advertising any other loopback address could not be reached: the test would fail instead of connecting.
+MULTI_NODE = ["placement.nnodes=3", "transport.bind_host=node"]
 SMALL = ["logging.val_every_steps=0", "checkpoint.export_hf=false", "algorithm.train_batch_groups=16",
          "learner.mini_batch_groups=16", "rollout.max_inflight_prompts=32"]
 ENDED = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -204,4 +207,4 @@ def test_ablate_quick_runs_as_jobs_on_the_cluster(cluster, shared_dir):
                                                                    ("eta1/decoupled", "0", "4")]
     for r in runs:  # each cell's run wrote its own directory, with the multi-node settings
         cfg = load_config(out / "staleness" / "quick" / f"{r['cell'].replace('/', '_')}_s0" / "config.yaml")
-        assert (cfg.placement.nnodes, cfg.transport.bind_host) == (3, "0.0.0.0")
+        assert (cfg.placement.nnodes, cfg.transport.bind_host) == (3, "node")

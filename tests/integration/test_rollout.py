@@ -17,10 +17,14 @@ from tests.conftest import CPU_CONFIG
 
 pytestmark = pytest.mark.integration
 # fp32 SGLang vs transformers logprobs on 300-token samples of randomly perturbed weights. Measured on the
-# tiny model: max 2.2e-5 over 3,600 tokens without a push, and once 2.3e-4 on one token of 900 after a
-# push (CI, 2026-11-30; test_engine_logprobs keeps 2e-4 on short answers). The old and new weights of these
-# tests differ by a max of 12-16 per sample, so 1e-3 still tells them apart by four orders of magnitude.
-TOL = 1e-3
+# tiny model: typically 1e-8..1e-5 per token, max 2.2e-5 over 3,600 tokens without a push; after a push
+# single tokens reached 2.3e-4 (CI, 2026-11-30) and 1.9e-3 (CI, 2026-12-02, one token of 300 while the
+# rest stayed under 2.4e-5): kernel accumulation order on a rare token. So one token may differ by up to
+# TOL, and the mean over a segment must stay near the typical error. The old and new weights of these
+# tests differ by a max of 12-16 per sample and by nats on average, so both bounds still tell them apart
+# by three orders of magnitude or more.
+TOL = 1e-2
+MEAN_TOL = 1e-4
 GROUP = "weights"
 
 
@@ -76,6 +80,7 @@ def test_actor_streams_groups_into_queue(system, cfg):
 
     queue, actor, _ = system
     address = ray.get(queue.address.remote(), timeout=60)
+    served = ray.get(actor.get_stats.remote(), timeout=60)["version"]  # 0 unless a push test ran first
     ray.get(actor.start.remote(queue, address, ray.get(queue.producer_secret.remote(), timeout=60)), timeout=120)
     batch = ray.get(queue.get_batch.remote(None, 600), timeout=660)["batch"]
     assert batch is not None and len(batch) == 4
@@ -85,7 +90,7 @@ def test_actor_streams_groups_into_queue(system, cfg):
         assert 0 < sum(accs) < 4  # dynamic sampling: only mixed groups reach the learner
         for s in g.samples:
             assert len(s.response_ids) == len(s.logprobs) == len(s.versions) >= 1
-            assert set(s.versions.tolist()) == {0}
+            assert set(s.versions.tolist()) == {served}
             assert s.score == (1.0 if s.acc else -1.0)
             assert s.reward <= s.score  # the overlong penalty only subtracts
             assert (s.logprobs <= 0).all()
@@ -121,7 +126,14 @@ def _push(actor, pg, named, version, mode):
     return ray.get(ref, timeout=300)
 
 
-@pytest.mark.parametrize("mode, version", [("inflight", 1), ("drain", 2), ("abort", 3)])
+def _assert_close(ref, got):
+    diff = (ref - got).abs()
+    assert diff.max().item() < TOL and diff.mean().item() < MEAN_TOL, (diff.max().item(), diff.mean().item())
+
+
+# Each case owns its versions and first loads its own "old" weights with nothing running, so it passes
+# alone and in any order (the engine does not require versions to increase).
+@pytest.mark.parametrize("mode, version", [("inflight", 2), ("drain", 4), ("abort", 6)])
 def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model, mode, version):
     import ray
 
@@ -130,7 +142,9 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompts = [encode_prompt(tok, r) for r in train_rows(cfg)[:3]]
-    old_state = dict(_new_weights(tiny_model, version - 1)) if version > 1 else None
+    old_named = _new_weights(tiny_model, version - 1)
+    _push(actor, pg, old_named, version - 1, "drain")
+    old_state = dict(old_named)
     named = _new_weights(tiny_model, version)
     # Long requests are running when the update arrives, so each mode's handling of them is exercised.
     params = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}
@@ -163,17 +177,14 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
             assert switch == 0
         if switch < len(ids):
             new_ref = _hf_logprobs(new_state, tiny_model, prompt, ids)
-            assert (new_ref[switch:] - lps[switch:]).abs().max().item() < TOL
+            _assert_close(new_ref[switch:], lps[switch:])
         if switch > 0:
-            old_ref = _hf_logprobs(old_state, tiny_model, prompt, ids) if old_state else \
-                _hf_logprobs({}, tiny_model, prompt, ids)
-            assert (old_ref[:switch] - lps[:switch]).abs().max().item() < TOL
+            _assert_close(_hf_logprobs(old_state, tiny_model, prompt, ids)[:switch], lps[:switch])
     # After the update every new sample is on the new version and matches the new weights.
     fresh = ray.get(actor.generate.remote(prompts[:1], {"temperature": 1.0, "max_new_tokens": 8}))[0]
     assert {s["version"] for s in fresh["meta_info"]["weight_versions"]} == {str(version)}
     ref = _hf_logprobs(new_state, tiny_model, prompts[0], fresh["output_ids"])
-    got = torch.tensor([lp for lp, *_ in fresh["meta_info"]["output_token_logprobs"]])
-    assert (ref - got).abs().max().item() < TOL
+    _assert_close(ref, torch.tensor([lp for lp, *_ in fresh["meta_info"]["output_token_logprobs"]]))
 
 
 def test_a_timed_out_validation_leaves_the_engine_idle(system, cfg):

@@ -4,6 +4,7 @@ No speed threshold: tools measure, tests check behaviour."""
 
 import csv
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +73,9 @@ def test_ablate_staleness_quick(tmp_path):
 
 
 def test_calibrate_quick(tmp_path):
-    """The planner's calibration (roles alone) writes a valid profile whose figures the planner can use."""
+    """The planner's calibration (roles alone) writes a valid profile whose figures the planner can use, and
+    whose figures are the ones its measurements and the config imply (tests/unit/test_calibrate_fit.py checks
+    the fits themselves against synthetic engines and learners of known coefficients)."""
     from async_dapo.config import load_config
     from async_dapo.planner import Shape, load_profile, predict
 
@@ -90,8 +93,52 @@ def test_calibrate_quick(tmp_path):
     w = profile.workload
     assert w.response_lengths and min(w.response_lengths) >= 1 and 0 < w.keep_rate <= 1 and w.prompt_tokens > 0
     assert {"decode", "learner", "push", "contention", "per_group_s"} <= set(profile.sources)
-    pred = predict(profile, Shape.from_config(load_config(REPO / "configs/tiny_cpu.yaml", [])), steps=20, warmup=4)
+    cfg = load_config(REPO / "configs/tiny_cpu.yaml", [])
+    pred = predict(profile, Shape.from_config(cfg), steps=20, warmup=4)
     assert math.isfinite(pred.steps_per_s) and pred.steps_per_s > 0
     for ratio in (pred.learner_idle, pred.rollout_idle, pred.occupancy, pred.tail_share):
         assert 0 <= ratio <= 1
     assert "calibrated " in log
+    _assert_calibration_follows_its_measurements(profile, log, cfg)
+
+
+def _assert_calibration_follows_its_measurements(profile, log: str, cfg) -> None:
+    """What the schema does not guarantee: each figure is the one the tool's own measurements (its log) and
+    the config imply."""
+    import statistics
+
+    from transformers import AutoTokenizer
+
+    from async_dapo.data import encode_prompt, train_rows
+
+    r, e = cfg.rollout, profile.engine
+    # the warm-start lengths: 16 prompts x n real samples, within the response budget
+    lengths = profile.workload.response_lengths
+    assert len(lengths) == 16 * r.n and max(lengths) <= r.max_response_length, lengths
+    # the engine phase's prompts (the first 128 training rows: --quick's largest n) and its KV-cache bound
+    tok = AutoTokenizer.from_pretrained(REPO / "models/tiny_cpu")
+    rows = train_rows(cfg)
+    ptok = statistics.mean(len(encode_prompt(tok, rows[i % len(rows)])) for i in range(128))
+    window = r.max_inflight_prompts * r.n
+    kv_seqs = int(r.engine.max_total_tokens / (ptok + r.max_response_length / 2))
+    assert e.max_running_seqs == min(window, kv_seqs), (e.max_running_seqs, window, kv_seqs, ptok)
+    # the decode fit explains its heaviest measurement (n = 128, L = 64: the longest, least noisy wall)
+    measured_line = r"engine: n=\s*(\d+) L=\s*(\d+): wall [\d.]+ s, prefill\(1 token\) [\d.]+ s, ([\d.]+) ms/it"
+    its = {(int(n), int(L)): float(ms) / 1e3 for n, L, ms in re.findall(measured_line, log)}
+    n, L = max(its)
+    model = e.decode_base_s + e.decode_per_seq_s * n + e.decode_per_ctx_token_s * n * (ptok + L / 2)
+    assert model == pytest.approx(its[n, L], rel=0.35), (n, L, model, its)
+    # the learner's figures give back the mean step it measured (steps after the discarded first one)
+    learner_line = re.search(r"learner: steps \[([^\]]*)\] s, tokens \[([^\]]*)\]", log)
+    steps, tokens = learner_line[1].split(","), learner_line[2].split(",")
+    skip = 1 if len(steps) > 2 else 0
+    lr, ranks, epochs = profile.learner, cfg.placement.learner_ranks, cfg.learner.epochs
+    fitted = [lr.step_base_s + epochs * lr.per_token_s * int(t) / ranks for t in tokens[skip:]]
+    measured = [float(s) for s in steps[skip:]]
+    assert statistics.fmean(fitted) == pytest.approx(statistics.fmean(measured), rel=0.01), (fitted, measured)
+    # a push carries every parameter of the checkpoint (tied embeddings once) in the engine's dtype: float32
+    from safetensors import safe_open
+
+    with safe_open(REPO / "models/tiny_cpu/model.safetensors", "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert r.engine.dtype == "float32" and profile.push.bytes == 4 * params, (profile.push.bytes, params)

@@ -27,6 +27,36 @@ def test_write_atomic_replaces_whole_files_and_leaves_no_temp(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["meta.json"]
 
 
+def test_write_atomic_from_two_writers_at_once_never_tears_or_fails(tmp_path):
+    """Each writer has its own temporary file: with one shared name, one writer's rename took the other's
+    half-written file, and the other's rename then found nothing (FileNotFoundError)."""
+    import threading
+
+    from async_dapo.metrics import write_atomic
+
+    target, errors = tmp_path / "latest.json", []
+    texts = {w: f'{{"writer": {w}, "pad": "{str(w) * 5000}"}}' for w in range(3)}
+
+    def write(w):
+        try:
+            for _ in range(150):
+                write_atomic(target, texts[w])
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in texts]
+    for t in threads:
+        t.start()
+    reads = set()
+    while any(t.is_alive() for t in threads):
+        if target.exists():
+            reads.add(target.read_text())
+    for t in threads:
+        t.join(30)
+    assert errors == [] and reads <= set(texts.values()) and target.read_text() in texts.values()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json"]
+
+
 def test_resume_never_picks_a_checkpoint_without_its_metadata(tmp_path):
     import json
 
@@ -176,3 +206,47 @@ def test_recorded_batches_round_trip_through_the_wire_encoding(tmp_path):
     assert run.batch(3, tmp_path / "rec") == tmp_path / "rec" / "step_3.bin"
     write_groups([group, group], run.batch(3))
     assert read_groups(run.batch(3)) == [group, group]
+
+
+def test_a_checkpoints_json_files_are_read_only_as_small_regular_files(tmp_path):
+    """meta.json, replay.json and a rank's state may come from someone else's directory: a FIFO is refused at
+    once (it used to wait for a writer forever), a symbolic link is not followed, and size is bounded."""
+    import os
+    import threading
+
+    import pytest
+
+    from async_dapo import checkpoints
+    from async_dapo.rank_state import CheckpointError, read
+
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "elsewhere.json").write_text('{"step": 2, "version": 2}')
+    cases = [("meta.json", lambda p: os.mkfifo(p), "not a regular file but a FIFO"),
+             ("meta.json", lambda p: p.symlink_to(tmp_path / "elsewhere.json"), "a symbolic link"),
+             ("replay.json", lambda p: p.symlink_to("/dev/zero"), "a symbolic link"),
+             ("meta.json", lambda p: p.write_text(" " * 5000), "more than 4096 bytes")]
+    for name, make, why in cases:
+        make(ckpt / name)
+        got: list = []
+        reader = checkpoints.read_meta if name == "meta.json" else checkpoints.read_replay_state
+        t = threading.Thread(target=lambda: got.append(_error_of(lambda: reader(ckpt))), daemon=True)
+        t.start()
+        t.join(2)
+        if t.is_alive():
+            os.close(os.open(ckpt / name, os.O_WRONLY | os.O_NONBLOCK))  # let a reader stuck on the FIFO go
+            pytest.fail(f"reading {name} ({why}) blocked")
+        assert got == [f"{ckpt / name}: {why}"] or got[0].startswith(f"{ckpt / name}: {why}"), got
+        assert not checkpoints.complete(ckpt)
+        (ckpt / name).unlink()
+    os.mkfifo(tmp_path / "extra_rank0.json")
+    with pytest.raises(CheckpointError, match="extra_rank0.json: not a regular file but a FIFO"):
+        read(tmp_path / "extra_rank0.json")
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except OSError as exc:
+        return str(exc)
+    return "no error"

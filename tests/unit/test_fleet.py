@@ -37,6 +37,8 @@ class Engine:
         self.health = _Method(lambda timeout: self._call("health", self.health_ref))
         self.get_stats = _Method(lambda: self._call("get_stats", self.up_ref))
         self.shutdown = _Method(lambda: self._call("shutdown", Ref(None)))
+        self.status_ref = Ref({"version": 0, "loading_s": None})
+        self.push_status = _Method(lambda: self._call("push_status", self.status_ref))
 
     def _call(self, what, ref):
         self.calls.append(what)
@@ -52,6 +54,9 @@ class Placed:
     def __init__(self, cfg, engines):
         self.cfg, self.engines, self.starting, self.engine_pgs = cfg, dict(engines), {}, {}
         self.log, self.placed_groups, self.room = [], set(), None
+        self.joining: set[int] = set()
+        self.push_in_flight, self.push_durations = None, []
+        self.start_fails: dict[int, str] = {}  # rank -> why its start_rollouts fails
         self.replay = type("Q", (), {"release_engine": _Method(lambda rank, why: self._did("release", rank, why))})()
         self.spawned: dict[int, Engine] = {}
 
@@ -84,6 +89,7 @@ class Placed:
 
     def start_rollouts(self, which):
         self.log.append(("start", which))
+        return {r: self.start_fails[r] for r in which if r in self.start_fails}
 
     def check_room(self, engines):
         if self.room is not None and engines > self.room:
@@ -94,11 +100,25 @@ class Placed:
         self.log.append(("pg_removed", rank))
 
 
+class Killed(list):
+    """The names of the actors ray.kill ended; ``waits``: (timeout, refs pending) of every ray.wait."""
+
+    waits: list
+
+
 @pytest.fixture
 def fake_ray(monkeypatch):
-    killed = []
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: ([r for r in refs if r.done],
-                                                                                  [r for r in refs if not r.done]))
+    killed = Killed()
+    killed.waits = []
+
+    def wait(refs, num_returns=1, timeout=None):
+        pending = [r for r in refs if not r.done]
+        # A real ray.wait with timeout=None on a ref that never comes blocks the training loop forever.
+        assert timeout is not None or len(refs) - len(pending) >= num_returns, "unbounded ray.wait on a pending ref"
+        killed.waits.append((timeout, len(pending)))
+        return [r for r in refs if r.done], pending
+
+    monkeypatch.setattr(ray, "wait", wait)
 
     def get(ref, timeout=None):
         if ref.error is not None:
@@ -116,12 +136,30 @@ class Clock:
         monkeypatch.setattr(supervise.time, "monotonic", lambda: self.now)
 
 
-def _supervisor(cfg, engines, tmp_path=None):
+class Learner:
+    """The learner's push as the supervisor sees it: ``pushes`` records (version, engines) per push started
+    and "waited" per wait; ``landed`` says whether the push in flight is done; ``error``, if set, is what
+    the next wait raises."""
+
+    def __init__(self, placed):
+        self.placed, self.pushes, self.landed, self.error = placed, [], True, None
+
+    def push(self, version):
+        self.pushes.append((version, sorted(self.placed.engines)))
+
+    def wait(self, meanwhile=None):
+        self.pushes.append("waited")
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def _supervisor(cfg, engines, tmp_path=None, learner=False):
     placed = Placed(cfg, engines)
-    pushes = []
-    sup = EngineSupervisor(placed, lambda: "ckpt", push_now=lambda v: pushes.append((v, sorted(placed.engines))),
-                           wait_push=lambda: pushes.append("waited"), run_dir=RunDir(tmp_path) if tmp_path else None)
-    return sup, placed, pushes
+    lrn = Learner(placed)
+    sup = EngineSupervisor(placed, lambda: "ckpt", push=lrn.push, wait_push=lrn.wait, push_status=lambda: lrn.landed,
+                           run_dir=RunDir(tmp_path) if tmp_path else None)
+    return sup, placed, (lrn if learner else lrn.pushes)
 
 
 def _dead():
@@ -151,9 +189,11 @@ def test_a_dead_engine_leaves_at_once_and_its_replacement_joins_only_when_up(fak
     assert placed.log[-1] == ("spawn", 1, 9) and list(placed.engines) == [0] and not sup.regroup_pending
     placed.spawned[1].up_ref.done = True
     clock.now += 30
-    sup.poll(12)  # up: the group takes it, the current weights are pushed, and only then does it start admitting
-    assert placed.log[-2:] == [("group", [0, 1]), ("start", [1])]
+    sup.poll(12)  # up: the group takes it and the current weights are pushed; it admits nothing yet
+    assert placed.log[-1] == ("group", [0, 1]) and placed.joining == {1} and sup.pushing
     assert pushes[-1] == (12, [0, 1]) and list(placed.engines) == [0, 1] and sup.starting == {}
+    sup.poll(13)  # the push landed: only now does it start admitting
+    assert placed.log[-1] == ("start", [1]) and placed.joining == set() and not sup.pushing
     assert sup.replaced == [{"engines": [1], "why": "replacement", "version": 12, "recovery_s": 35.0, "start_s": 35.0}]
     events = [e["event"] for e in map(json.loads, (tmp_path / "fleet.jsonl").read_text().splitlines())]
     assert events == ["failed", "removed", "starting", "regrouped", "up", "regrouped", "joined"]
@@ -171,6 +211,7 @@ def test_a_hung_heartbeat_is_judged_by_its_age_and_never_waited_for(fake_ray, mo
     clock.now += 2
     sup.poll(3)
     assert list(placed.engines) == [0] and fake_ray == ["e1"] and placed.log[0] == ("release", 1, "actor_failed")
+    assert {t for t, pending in fake_ray.waits if pending} == {0}  # looked at, never waited for
 
 
 def _replacement_spawned(monkeypatch, restarts: int):
@@ -316,3 +357,147 @@ def test_an_engine_that_fails_during_a_rebuild_is_taken_out_and_the_rebuild_retr
     assert ("start", [1]) not in placed.log
     sup.poll(3)  # the next poll rebuilds with the survivor
     assert placed.log[-1] == ("group", [0]) and pushes[-1] == (3, [0]) and set(sup.starting) == {1}
+
+
+def _replacement_up(monkeypatch, tmp_path=None, restarts=3):
+    """Engine 1 of two failed and its replacement's engine is up (the next poll regroups with it)."""
+    clock = Clock(monkeypatch)
+    cfg = load_config(None, CFG + [f"placement.max_engine_restarts={restarts}"])
+    sup, placed, learner = _supervisor(cfg, {0: Engine("e0"), 1: Engine("e1", health=_dead())}, tmp_path, learner=True)
+    clock.now += 10
+    sup.poll(1)
+    placed.placed_groups.add(1)
+    sup.poll(1)
+    placed.spawned[1].up_ref.done = True
+    return clock, sup, placed, learner
+
+
+def test_the_learner_is_never_held_by_a_regroup_push_and_a_joiner_serves_only_once_it_landed(fake_ray, monkeypatch):
+    clock, sup, placed, learner = _replacement_up(monkeypatch)
+    learner.landed = False  # the push to the replacement is slow
+    waits = learner.pushes.count("waited")
+    sup.poll(2)  # regroup: the group forms and the push starts; the loop goes back to training at once
+    sup.poll(3)
+    sup.poll(4)
+    assert learner.pushes[-1] == (2, [0, 1]) and learner.pushes.count("waited") == waits + 1  # the settle only
+    assert placed.joining == {1} and ("start", [1]) not in placed.log  # in the group, not admitting
+    learner.landed = True
+    sup.poll(5)
+    assert placed.log[-1] == ("start", [1]) and sup.replaced[-1]["version"] == 2  # the version its push carried
+    assert all(timeout == 0 for timeout, pending in fake_ray.waits if pending)  # nothing pending was waited for
+
+
+def test_a_joiner_whose_push_failed_never_serves_and_is_replaced(fake_ray, monkeypatch, tmp_path):
+    clock, sup, placed, learner = _replacement_up(monkeypatch, tmp_path)
+    sup.poll(2)  # regroup with the replacement, push started
+    placed.spawned[1].health_ref = _dead()  # it died under its first push
+    learner.error = supervise.WaitExpired("weight push: learner rank 0 failed: broadcast timed out")
+    sup.poll(3)
+    assert ("start", [1]) not in placed.log and list(placed.engines) == [0] and placed.joining == set()
+    assert sup.restarts == 2 and set(sup.starting) == {1} and learner.pushes[-1] == (3, [0])  # regrouped at once
+    events = [e["event"] for e in map(json.loads, (tmp_path / "fleet.jsonl").read_text().splitlines())]
+    assert "joined" not in events and events[-3:] == ["failed", "removed", "starting"]
+
+
+def test_a_replacement_that_dies_right_after_joining_is_replaced_not_fatal(fake_ray, monkeypatch):
+    clock, sup, placed, learner = _replacement_up(monkeypatch)
+    placed.start_fails[1] = "process died (SIGKILL)"
+    sup.poll(2)
+    sup.poll(3)  # the push landed; its start fails: replaced again, one restart more, the run goes on
+    assert sup.restarts == 2 and list(placed.engines) == [0] and set(sup.starting) == {1} and sup.replaced == []
+    assert fake_ray.count("new1") == 1
+
+
+def test_an_engine_hung_inside_a_push_is_taken_out_once_the_push_runs_past_its_bound(fake_ray, monkeypatch):
+    """The bound: 5 x the median push, at least health_check_timeout_s / 3, at most all of it. Past it, an
+    engine still loading while another has loaded is hung (its heartbeat cannot tell: loading is silent)."""
+    clock = Clock(monkeypatch)
+    sup, placed, _ = _supervisor(load_config(None, CFG), {0: Engine("e0"), 1: Engine("e1"), 2: Engine("e2")})
+    assert sup.push_bound() == 10.0  # no push measured yet: 30 / 3
+    placed.push_durations = [0.5, 4.0, 9.0]
+    assert sup.push_bound() == 20.0  # 5 x 4.0
+    placed.push_durations = [7.0]
+    assert sup.push_bound() == 30.0  # capped at health_check_timeout_s
+    placed.push_durations = [1.0]
+    placed.push_in_flight = (5, clock.now, dict(placed.engines))
+    placed.engines[0].status_ref = Ref({"version": 5, "loading_s": None})  # loaded
+    placed.engines[1].status_ref = Ref({"version": 4, "loading_s": 12.0})  # still loading
+    placed.engines[2].status_ref = Ref({"version": 4, "loading_s": None})  # draining: not judged
+    clock.now += 9.9
+    sup.detect(5)  # within the bound (and before the first heartbeat): nobody is asked
+    assert [e.calls for e in placed.engines.values()] == [[], [], []]
+    clock.now += 0.2
+    sup.detect(5)
+    assert list(placed.engines) == [0, 2] and fake_ray == ["e1"] and sup.restarts == 1
+    assert placed.log[0] == ("release", 1, "actor_failed")
+
+
+def test_a_lone_engine_whose_processes_are_stopped_is_hung_inside_the_push(fake_ray, monkeypatch, caplog):
+    """No other engine to compare with: one whose processes are stopped makes no progress, whatever it shows."""
+    clock = Clock(monkeypatch)
+    sup, placed, _ = _supervisor(load_config(None, CFG), {0: Engine("e0")})
+    placed.push_in_flight = (2, clock.now, dict(placed.engines))
+    placed.engines[0].status_ref = Ref({"version": 1, "loading_s": 11.0, "stopped": []})
+    clock.now += 10.5
+    sup.detect(2)  # loading, alone, running: not judged (it may be slow; weight_sync.timeout_s bounds it)
+    assert list(placed.engines) == [0]
+    placed.engines[0].status_ref = Ref({"version": 1, "loading_s": 12.0, "stopped": [4242]})
+    clock.now += 1.0
+    sup.detect(2)
+    assert list(placed.engines) == [] and fake_ray == ["e0"] and sup.restarts == 1
+    assert "rollout actor 0 failed: did not load weight version 2: its processes [4242] are stopped" in caplog.text
+
+
+def test_a_push_that_every_engine_loaded_is_not_asked_about_again(fake_ray, monkeypatch):
+    clock = Clock(monkeypatch)
+    sup, placed, _ = _supervisor(load_config(None, CFG), {0: Engine("e0"), 1: Engine("e1")})
+    placed.push_in_flight = (3, clock.now, dict(placed.engines))
+    for e in placed.engines.values():
+        e.status_ref = Ref({"version": 3, "loading_s": None})
+    clock.now += 11
+    sup.detect(3)
+    clock.now += 5
+    sup.detect(3)
+    asked = [[c for c in e.calls if c == "push_status"] for e in placed.engines.values()]
+    assert asked == [["push_status"], ["push_status"]] and sup.restarts == 0
+
+
+def test_a_scale_json_that_cannot_be_read_is_refused_once_and_requests_are_new_by_number(fake_ray, monkeypatch,
+                                                                                         tmp_path):
+    """A FIFO, a directory or a symbolic link at scale.json is refused (logged, one scale_refused event) and
+    the run goes on: poll() neither blocks nor raises. Two requests with the same mtime are both applied."""
+    import os
+    import threading
+
+    from async_dapo.checkpoints import write_scale_request
+
+    Clock(monkeypatch)
+    cfg = load_config(None, ["placement.num_engines=1", "placement.max_engines=3"])
+    sup, placed, _ = _supervisor(cfg, {0: Engine("e0")}, tmp_path)
+    run = RunDir(tmp_path)
+    (tmp_path / "real.json").write_text(json.dumps({"engines": 2}))
+    for make, kind in ((os.mkfifo, "not a regular file but a FIFO"), (os.mkdir, "not a regular file but a directory"),
+                       (lambda p: p.symlink_to(tmp_path / "real.json"), "a symbolic link")):
+        make(run.scale)
+        polled = threading.Thread(target=lambda: [sup.poll(1) for _ in range(2)], daemon=True)  # refused once
+        polled.start()
+        polled.join(2)
+        if polled.is_alive():
+            os.close(os.open(run.scale, os.O_WRONLY | os.O_NONBLOCK))  # lets a reader blocked on the FIFO go
+            pytest.fail(f"poll() blocked on {kind}")
+        os.rmdir(run.scale) if run.scale.is_dir() and not run.scale.is_symlink() else run.scale.unlink()
+        last = json.loads(run.fleet.read_text().splitlines()[-1])
+        assert (last["event"], last["seq"]) == ("scale_refused", None) and last["reason"].startswith(
+            f"{run.scale}: {kind}"), last
+    assert sup.starting == {} and list(placed.engines) == [0]
+    assert write_scale_request(run, {"engines": 1}).seq == 1  # as many as serve: answered all the same
+    sup.poll(1)
+    stamp = run.scale.stat().st_mtime_ns
+    assert write_scale_request(run, {"engines": 2}).seq == 2
+    os.utime(run.scale, ns=(stamp, stamp))  # a coarse clock (NFS) gives both the same mtime
+    sup.poll(1)
+    sup.poll(1)
+    assert list(sup.starting) == [1]  # the second request was seen, and applied once
+    events = [e for e in map(json.loads, run.fleet.read_text().splitlines()) if e["event"].startswith("scale")]
+    assert [(e["event"], e["seq"]) for e in events] == [("scale_refused", None)] * 3 + [("scale", 1), ("scale", 2)]
+    assert events[-2]["engines"] == 1 and events[-1]["adding"] == [1]

@@ -15,7 +15,7 @@ class _Placed:
 
 def test_exhausted_restarts_stop_the_run_naming_actor_and_checkpoint():
     cfg = load_config(None, ["placement.max_engine_restarts=2"])
-    sup = EngineSupervisor(_Placed(cfg), lambda: "unused", push_now=None, wait_push=None)
+    sup = EngineSupervisor(_Placed(cfg), lambda: "unused", push=None, wait_push=None, push_status=None)
     sup.restarts = 1
     with pytest.raises(RunFailed) as err:  # two failures in one heartbeat, one restart left: none replaced
         sup.replace([(3, "process died (SIGKILL)"), (5, "no output from the engine in 30 s (hung)")], 41)

@@ -23,7 +23,7 @@ from async_dapo.config import (
     receive_hard_cap,
     receive_hwm,
 )
-from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret
+from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret, producer_credentials
 from async_dapo.wire import Group, Sample
 
 from .memprobe import MIB, ReceiverProcess
@@ -182,12 +182,13 @@ def test_refused_sender_connects_again_and_gets_in_once_a_slot_frees():
             assert got[0].startswith("late-") and rx.open_connections == 1
 
 
-def test_a_burst_beyond_max_peers_settles_to_exactly_max_peers():
-    # All connect at once: every handshake sees more than max_peers connections and is refused; the
-    # jittered retries then fill the slots one by one, and never more than max_peers of them.
+@pytest.mark.parametrize("secret", [None, new_secret()], ids=["null", "curve"])
+def test_a_burst_beyond_max_peers_settles_to_exactly_max_peers(secret):
+    # All connect at once: the first max_peers handshakes are admitted, the others refused; the jittered
+    # retries of the refused never get in while those stay, and never more than max_peers are heard.
     n, limit = 8, 3
-    with GroupReceiver(max_message_bytes=4096, max_peers=limit) as rx:
-        senders = [GroupSender(rx.address, linger_ms=0) for _ in range(n)]
+    with GroupReceiver(max_message_bytes=4096, max_peers=limit, secret=secret) as rx:
+        senders = [GroupSender(rx.address, linger_ms=0, secret=secret) for _ in range(n)]
         heard: set[str] = set()
 
         def pump() -> None:  # every sender offers one group, the receiver takes what came
@@ -307,6 +308,8 @@ def test_replay_queue_stats_count_refused_peers():
             for want_open in (1, 2, 2):  # one at a time: the third finds both slots taken
                 sock = zmq.Context.instance().socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
+                for option, value in producer_credentials(svc.secret).items():  # the run's own producers
+                    sock.setsockopt(option, value)
                 sock.connect(svc.receiver.address)
                 socks.append(sock)
                 deadline = time.monotonic() + 10

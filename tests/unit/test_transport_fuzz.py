@@ -37,7 +37,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret
+from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret, producer_credentials
 from async_dapo.wire import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -372,7 +372,8 @@ def test_oversized_under_hard_cap_counted_exactly():
         tx.send(make_group("after"))
         assert [g.group_id for g in drain_until(rx, "after")] == ["after"]
         assert rx.counters == {"received": 1, "rejected_auth": 1, "rejected_malformed": 0,
-                               "rejected_oversized": 2, "rejected_schema": 0, "rejected_peers": 0}
+                               "rejected_oversized": 2, "rejected_schema": 0, "rejected_peers": 0,
+                               "rejected_handshake": 0}
 
 
 # ------------------------------------------------------------------------------------- flood
@@ -382,13 +383,15 @@ LEGIT_GROUPS = 20
 MEMORY_BOUND = 50 * MIB
 
 
-def test_flood_from_foreign_sender_rejected_memory_bounded_legit_groups_arrive():
-    """A foreign PUSH socket (no secret) floods well-formed groups while a producer sends signed ones.
+def test_flood_of_unsigned_frames_rejected_memory_bounded_legit_groups_arrive():
+    """A PUSH socket floods well-formed unsigned groups while a producer sends signed ones.
 
-    Every foreign frame is counted rejected_auth, every legit group arrives (PULL fair-queues
-    across peers), and memory stays bounded: rcvhwm (100 messages per peer) and the foreign
-    socket's SNDHWM cap what zmq buffers, and the receiver keeps nothing per rejected frame. The
-    flood (~95 MB) is about twice the bound, so buffering all of it would fail the test.
+    The flooder passed the handshake (it has the run's CURVE keys: without them it would not be heard
+    at all, see test_transport_flood.py), so this is the worst a buggy producer can do. Every unsigned
+    frame is counted rejected_auth, every legit group arrives (PULL fair-queues across peers), and
+    memory stays bounded: rcvhwm (100 messages per peer) and the flooding socket's SNDHWM cap what zmq
+    buffers, and the receiver keeps nothing per rejected frame. The flood (~95 MB) is about twice the
+    bound, so buffering all of it would fail the test.
     """
     secret = new_secret()
     payload = encode_group(make_group("intruder", n_tokens=FLOOD_TOKENS))
@@ -404,6 +407,8 @@ def test_flood_from_foreign_sender_rejected_memory_bounded_legit_groups_arrive()
             sock = zmq.Context.instance().socket(zmq.PUSH)
             try:
                 sock.setsockopt(zmq.SNDHWM, 100)
+                for option, value in producer_credentials(secret).items():
+                    sock.setsockopt(option, value)
                 sock.connect(rx.address)
                 for _ in range(FLOOD_FRAMES):
                     while not sock.poll(100, zmq.POLLOUT):  # blocks on HWM, but never forever
@@ -441,7 +446,8 @@ def test_flood_from_foreign_sender_rejected_memory_bounded_legit_groups_arrive()
         assert flood_done.is_set() and not errors
         assert got == [make_group(f"legit-{i}", n_tokens=i + 1) for i in range(LEGIT_GROUPS)]
         assert rx.counters == {"received": LEGIT_GROUPS, "rejected_auth": FLOOD_FRAMES, "rejected_malformed": 0,
-                               "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0}
+                               "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0,
+                               "rejected_handshake": 0}
         assert peak.bytes < MEMORY_BOUND, f"peak RSS grew by {peak.bytes / MIB:.1f} MiB"
         assert py_peak < 16 * 1024 * 1024, f"Python heap peaked at {py_peak} bytes"
         # And it keeps serving after the flood.

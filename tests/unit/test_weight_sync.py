@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from async_dapo.config import load_config
-from async_dapo.supervise import RunFailed
+from async_dapo.supervise import EnginesFailed, RunFailed
 from async_dapo.weight_sync import (
     ActorCallback, Bucket, WeightGroup, WeightSender, WeightUpdateError, group_name, load, plan_buckets,
     sglang_name,
@@ -104,6 +104,30 @@ class _Actor:
         self.weight_dtype = _Method(log, f"{who}.weight_dtype", dtype)
 
 
+class _Hung:
+    """An answer that never comes."""
+
+
+def _fake_ray(monkeypatch):
+    """Ray with refs that are their own answers (a _Hung one never ready); records each wait's bound and
+    refuses an unbounded wait on a pending ref (it would block the loop forever)."""
+    import sys
+    import types
+
+    waits = []
+
+    def wait(refs, num_returns=1, timeout=None):
+        pending = [r for r in refs if isinstance(r, _Hung)]
+        assert timeout is not None or not pending, "an unbounded wait on an engine that never answers"
+        waits.append(timeout)
+        return [r for r in refs if not isinstance(r, _Hung)], pending
+
+    fake = types.SimpleNamespace(wait=wait, get=lambda ref, timeout=None: ref,
+                                 exceptions=types.SimpleNamespace(RayActorError=type("E", (Exception,), {})))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    return waits
+
+
 def _group(log, *sets):
     cfg = load_config(None, list(sets))
     ports = iter(range(29500, 29600))
@@ -116,28 +140,47 @@ def _group(log, *sets):
     return WeightGroup(cfg, "gloo", get, lambda: ("127.0.0.1", next(ports))), got
 
 
-def test_the_group_places_each_engine_tp_ranks_after_learner_rank_0():
-    log = []
+def test_the_group_places_each_engine_tp_ranks_after_learner_rank_0(monkeypatch):
+    log, waits = [], _fake_ray(monkeypatch)
     group, waited = _group(log, "rollout.engine.tp_size=2", "placement.engine_gpus=2",
-                           "rollout.engine.device=cuda")
-    learner, engines = _Actor(log, "L"), [_Actor(log, "E0"), _Actor(log, "E1")]
+                           "rollout.engine.device=cuda", "placement.health_check_timeout_s=7")
+    learner, engines = _Actor(log, "L"), {0: _Actor(log, "E0"), 3: _Actor(log, "E3")}
     group.open(learner, engines)
     joins = [args for name, args in log if name.endswith("join_weight_group")]
     assert joins == [("127.0.0.1", 29500, 5, 1, "async_dapo_weights_0", "gloo"),
                      ("127.0.0.1", 29500, 5, 3, "async_dapo_weights_0", "gloo")]
-    assert ("L.open_weight_group", ("127.0.0.1", 29500, 5, "async_dapo_weights_0", "bfloat16")) in log
-    assert waited == ["engines' weight dtype", "open async_dapo_weights_0", "engines joining async_dapo_weights_0"]
+    # The learner's rendezvous is bounded like the engines' answers: by the heartbeat's bound, not the push's.
+    assert ("L.open_weight_group", ("127.0.0.1", 29500, 5, "async_dapo_weights_0", "bfloat16", 7.0)) in log
+    assert waited == ["learner rank 0 opening async_dapo_weights_0"] and waits == [7.0, 12.0]
+
+
+def test_an_engine_that_hangs_in_the_rendezvous_is_named_within_the_heartbeat_bound(monkeypatch):
+    log, waits = [], _fake_ray(monkeypatch)
+    group, _ = _group(log, "placement.health_check_timeout_s=9")
+    learner, engines = _Actor(log, "L"), {0: _Actor(log, "E0"), 1: _Actor(log, "E1")}
+    engines[1].join_weight_group.answer = _Hung()
+    with pytest.raises(EnginesFailed) as err:
+        group.open(learner, engines)
+    assert err.value.failed == {1: "did not answer in 9 s (hung)"} and waits == [9.0, 14.0]
+    assert str(err.value) == "engines joining async_dapo_weights_0: rollout actor 1 did not answer in 9 s (hung)"
+
+
+def test_an_engine_that_hangs_leaving_is_named_before_the_new_group_forms(monkeypatch):
+    log, waits = [], _fake_ray(monkeypatch)
+    group, _ = _group(log, "placement.health_check_timeout_s=9")
+    learner, engines = _Actor(log, "L"), {0: _Actor(log, "E0"), 2: _Actor(log, "E2")}
+    engines[2].leave_weight_group.answer = _Hung()
+    with pytest.raises(EnginesFailed, match=r"engines leaving async_dapo_weights_0: rollout actor 2 did not answer"):
+        group.rebuild(learner, engines)
+    assert [n for n, _ in log] == ["L.close_weight_group", "E0.leave_weight_group", "E2.leave_weight_group"]
+    assert waits == [9.0] and group.name == "async_dapo_weights_1"  # one wait for both, the next name is fresh
 
 
 def test_a_rebuild_closes_leaves_and_reopens_under_the_next_name_and_a_new_port(monkeypatch):
-    import sys
-    import types
-
     log = []
-    fake_ray = types.SimpleNamespace(get=lambda ref, timeout=None: ref)
-    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    _fake_ray(monkeypatch)
     group, _ = _group(log)
-    learner, engines = _Actor(log, "L"), [_Actor(log, "E0")]
+    learner, engines = _Actor(log, "L"), {0: _Actor(log, "E0")}
     group.open(learner, engines)
     log.clear()
     group.rebuild(learner, engines)
@@ -148,11 +191,12 @@ def test_a_rebuild_closes_leaves_and_reopens_under_the_next_name_and_a_new_port(
     assert log[3][1][:2] == ("127.0.0.1", 29501) and log[3][1][4] == "async_dapo_weights_1"
 
 
-def test_engines_in_different_dtypes_stop_the_run_naming_the_key():
+def test_engines_in_different_dtypes_stop_the_run_naming_the_key(monkeypatch):
     log = []
+    _fake_ray(monkeypatch)
     group, _ = _group(log)
     with pytest.raises(RunFailed, match=r"different dtypes \['bfloat16', 'float32'\]: set rollout.engine.dtype"):
-        group.open(_Actor(log, "L"), [_Actor(log, "E0"), _Actor(log, "E1", dtype="float32")])
+        group.open(_Actor(log, "L"), {0: _Actor(log, "E0"), 1: _Actor(log, "E1", dtype="float32")})
     assert not [n for n, _ in log if n.endswith("join_weight_group")]  # nobody was left waiting in a rendezvous
 
 

@@ -117,42 +117,28 @@ def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
                 if min(got) != L:
                     log(f"engine: n={n} L={L}: some outputs shorter than L ({min(got)})")
                 walls1.append(w1)
-                it = max(wl - w1, 1e-9) / (L - 1)
-                points.append((n, L, n * (ptok + L / 2), it, w1, wl))
-                log(f"engine: n={n:4d} L={L:4d}: wall {wl:.3f} s, prefill(1 token) {w1:.3f} s, {it * 1e3:.3f} ms/iteration")
+                points.append(decode_point(n, L, ptok, w1, wl))
+                log(f"engine: n={n:4d} L={L:4d}: wall {wl:.3f} s, prefill(1 token) {w1:.3f} s, "
+                    f"{points[-1][3] * 1e3:.3f} ms/iteration")
             if walls1:
                 pre.append((n * ptok, statistics.median(walls1)))
         lengths = sample_lengths(engine, tok, rows, cfg, 16 if quick else 64)
         log(f"engine: warm-start response lengths over {len(lengths)} samples: {quantiles(lengths)}")
     finally:
         engine.shutdown()
-    if len(points) < 3:
-        raise SystemExit(f"engine: only {len(points)} (n, L) points fit: need 3 for the fit")
-    X = np.array([[1.0, p[0], p[2]] for p in points])
-    y = np.array([p[3] for p in points])
-    coef = np.clip(np.linalg.lstsq(X, y, rcond=None)[0], 0.0, None)
-    if coef[0] + coef[1] <= 0:  # the planner needs a + b > 0
-        coef[1] = max(float(np.mean(y / X[:, 1])), 1e-9)
-    resid = y - X @ coef
+    decode, resid = fit_decode(points)
     log("engine: fit a + b·n + c·K -> a %.3e s, b %.3e s/seq, c %.3e s/ctx token; residuals (ms, %% of measured):"
-        % tuple(coef))
+        % tuple(decode.values()))
     for p, e in zip(points, resid):
         log(f"    n={p[0]:4d} L={p[1]:4d} K={p[2]:8.0f}: {e * 1e3:+.3f} ms ({100 * e / p[3]:+.1f} %)")
-    P = np.array([[1.0, t] for t, _ in pre])
-    slope = float(np.linalg.lstsq(P, np.array([w for _, w in pre]), rcond=None)[0][1]) if len(pre) >= 2 else 0.0
-    if slope <= 0:
-        slope = pre[-1][1] / pre[-1][0]
-        how_pre = "wall(n, 1) / prompt tokens at the largest n (the slope was <= 0)"
-    else:
-        how_pre = "slope of wall(n, max_new_tokens=1) over n x prompt tokens (lstsq with intercept)"
+    slope, how_pre = fit_prefill(pre)
     per_seq_ctx = ptok + r.max_response_length / 2
     kv_seqs = int(cap / per_seq_ctx) if cap else window_seqs
     max_running = max(1, min(window_seqs, kv_seqs, ec.max_running_requests or window_seqs))
     pts = ", ".join(f"({p[0]},{p[1]})" for p in points)
     when = _now()
-    part = {"max_running_seqs": max_running, "decode_base_s": float(coef[0]), "decode_per_seq_s": float(coef[1]),
-            "decode_per_ctx_token_s": float(coef[2]), "prefill_per_token_s": slope}
-    rms = float(np.sqrt(np.mean((resid / y) ** 2)))
+    part = {"max_running_seqs": max_running, **decode, "prefill_per_token_s": slope}
+    rms = float(np.sqrt(np.mean((resid / np.array([p[3] for p in points])) ** 2)))
     src = {
         "decode": f"{when}: bare in-process sglang.Engine (async_dapo.engine.start_engine, the rollout actor's "
                   f"engine args), ignore_eos, config prompts ({ptok:.1f} tokens mean); (n, L) = {pts}; per-iteration "
@@ -168,6 +154,43 @@ def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
                                f"{r.top_p}, max {r.max_response_length} tokens): every sample, kept or filtered; "
                                f"quantiles {quantiles(lengths)}")
     return part, src, ptok, lengths
+
+
+def decode_point(n: int, L: int, ptok: float, w1: float, wl: float) -> tuple:
+    """One engine measurement as the decode fit reads it: (n, L, K = n·(prompt + L/2), seconds per decode
+    iteration = (wall(n, L) - wall(n, 1)) / (L - 1), wall(n, 1), wall(n, L))."""
+    return n, L, n * (ptok + L / 2), max(wl - w1, 1e-9) / (L - 1), w1, wl
+
+
+def fit_decode(points: list[tuple]) -> tuple[dict, "np.ndarray"]:
+    """Least squares of seconds per iteration = a + b·n + c·K over :func:`decode_point` tuples, negatives
+    clipped to 0 (and b = mean s/n when a + b would be 0: the planner divides by it) -> (decode_base_s,
+    decode_per_seq_s, decode_per_ctx_token_s as a dict in that order, residuals in seconds)."""
+    import numpy as np
+
+    if len(points) < 3:
+        raise SystemExit(f"engine: only {len(points)} (n, L) points fit: need 3 for the fit")
+    X = np.array([[1.0, p[0], p[2]] for p in points])
+    y = np.array([p[3] for p in points])
+    coef = np.clip(np.linalg.lstsq(X, y, rcond=None)[0], 0.0, None)
+    if coef[0] + coef[1] <= 0:  # the planner needs a + b > 0
+        coef[1] = max(float(np.mean(y / X[:, 1])), 1e-9)
+    fit = {"decode_base_s": float(coef[0]), "decode_per_seq_s": float(coef[1]),
+           "decode_per_ctx_token_s": float(coef[2])}
+    return fit, y - X @ coef
+
+
+def fit_prefill(pre: list[tuple[float, float]]) -> tuple[float, str]:
+    """(prompt tokens n·prompt, wall(n, max_new_tokens=1)) pairs -> (prefill_per_token_s, how it was found):
+    the slope of a line with intercept (the fixed cost of a request is not prefill), or, when that slope is
+    not positive (or there is one pair), wall / tokens at the largest n."""
+    import numpy as np
+
+    P = np.array([[1.0, t] for t, _ in pre])
+    slope = float(np.linalg.lstsq(P, np.array([w for _, w in pre]), rcond=None)[0][1]) if len(pre) >= 2 else 0.0
+    if slope > 0:
+        return slope, "slope of wall(n, max_new_tokens=1) over n x prompt tokens (lstsq with intercept)"
+    return pre[-1][1] / pre[-1][0], "wall(n, 1) / prompt tokens at the largest n (the slope was <= 0)"
 
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
@@ -264,24 +287,30 @@ def engine_only_s_per_batch(cfg, engine: dict, workload: dict) -> float:
     return 1.0 / predict(prof, shape, steps=14, warmup=4, sync_baseline=False).steps_per_s
 
 
-def learner_part(cfg, seconds: list[float], tokens: list[int], warmup: int) -> tuple[dict, dict, float]:
+def fit_learner(seconds: list[float], tokens: list[int]) -> tuple[float, float, str]:
+    """Step seconds against batch tokens -> (base s, s per token of a step, how): least squares
+    s = base + slope x tokens, or base = 0 and slope = mean s / mean tokens when the token counts vary by
+    < 10 % or there are < 3 steps (no slope to see), or when the fit gives a negative term."""
     import numpy as np
 
+    s, t = seconds, tokens
+    spread = (max(t) - min(t)) / statistics.mean(t)
+    if spread < 0.10 or len(s) < 3:
+        return 0.0, statistics.mean(s) / statistics.mean(t), (
+            f"token counts vary by {100 * spread:.1f} % (< 10 % or < 3 steps): step_base_s = 0, "
+            f"per_token_s = mean s / mean tokens")
+    base, slope = (float(v) for v in np.linalg.lstsq(np.array([[1.0, x] for x in t]), np.array(s), rcond=None)[0])
+    if base < 0 or slope <= 0:
+        return 0.0, statistics.mean(s) / statistics.mean(t), ("lstsq gave a negative term: step_base_s = 0, "
+                                                              "per_token_s = mean s / mean tokens")
+    return base, slope, "lstsq step s = base + slope x tokens"
+
+
+def learner_part(cfg, seconds: list[float], tokens: list[int], warmup: int) -> tuple[dict, dict, float]:
     s, t = seconds[warmup:], tokens[warmup:]
     epochs, R = cfg.learner.epochs, cfg.placement.learner_ranks
-    spread = (max(t) - min(t)) / statistics.mean(t)
     when = _now()
-    if spread < 0.10 or len(s) < 3:
-        base, slope = 0.0, statistics.mean(s) / statistics.mean(t)
-        how = (f"token counts vary by {100 * spread:.1f} % (< 10 % or < 3 steps): step_base_s = 0, "
-               f"per_token_s = mean s / mean tokens")
-    else:
-        base, slope = (float(v) for v in np.linalg.lstsq(np.array([[1.0, x] for x in t]), np.array(s), rcond=None)[0])
-        if base < 0 or slope <= 0:
-            base, slope = 0.0, statistics.mean(s) / statistics.mean(t)
-            how = "lstsq gave a negative term: step_base_s = 0, per_token_s = mean s / mean tokens"
-        else:
-            how = "lstsq step s = base + slope x tokens"
+    base, slope, how = fit_learner(s, t)
     part = {"step_base_s": max(0.0, base), "per_token_s": slope * R / epochs, "scaling_efficiency": 1.0}
     src = {"learner": f"{when}: train_step on phase b's batches with the engines idle (as throughput.train_only), "
                       f"{len(s)} steps after {warmup} discarded, tokens = prompt + response of the batch "

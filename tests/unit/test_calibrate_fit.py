@@ -1,0 +1,94 @@
+"""The planner's calibration (tools/bench/calibrate.py) recovers the coefficients of a synthetic engine and
+learner whose coefficients are known: the measurements are generated from them (with 0.5-1 % noise) the way
+the calibration takes them, then fed through the calibration's own fit functions. The tolerances are what
+that noise allows on this grid (over 200 noise draws the worst decode coefficient was off by 9 %): b·n and
+c·K are nearly collinear when L only takes two values, so the wall-clock noise is amplified in b."""
+
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "bench"))
+import calibrate  # noqa: E402
+
+# A made-up engine: one decode iteration of n sequences holding K context tokens costs a + b·n + c·K seconds;
+# a request of n prompts of P tokens costs a fixed o plus p per prompt token to prefill.
+ENGINE = {"decode_base_s": 2e-3, "decode_per_seq_s": 4e-5, "decode_per_ctx_token_s": 1.5e-6}
+PREFILL_S, FIXED_S, PROMPT_TOKENS = 3e-5, 0.02, 30.0
+
+
+def _noisy(rng: random.Random, x: float, rel: float = 0.01) -> float:
+    return x * (1 + rng.uniform(-rel, rel))
+
+
+def _engine_walls(rng: random.Random, n: int, L: int) -> tuple[float, float]:
+    """(wall(n, max_new_tokens=1), wall(n, L)) of the synthetic engine, each with 0.5 % noise."""
+    a, b, c = ENGINE.values()
+    w1 = FIXED_S + PREFILL_S * n * PROMPT_TOKENS
+    per_iteration = a + b * n + c * n * (PROMPT_TOKENS + L / 2)  # the mean context over the L tokens
+    return _noisy(rng, w1, 0.005), _noisy(rng, w1 + (L - 1) * per_iteration, 0.005)
+
+
+def _engine_points(seed: int) -> tuple[list, list]:
+    """The (n, L) grid of calibrate --quick with the tiny config (n up to 128, L 16 and 64)."""
+    rng = random.Random(seed)
+    points, pre = [], []
+    for n in (1, 8, 32, 128):
+        walls1 = []
+        for L in (16, 64):
+            w1, wl = _engine_walls(rng, n, L)
+            walls1.append(w1)
+            points.append(calibrate.decode_point(n, L, PROMPT_TOKENS, w1, wl))
+        pre.append((n * PROMPT_TOKENS, sum(walls1) / len(walls1)))
+    return points, pre
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_decode_and_prefill_fit_recover_a_known_engine(seed):
+    points, pre = _engine_points(seed)
+    fit, resid = calibrate.fit_decode(points)
+    assert fit == pytest.approx(ENGINE, rel=0.12), fit
+    assert max(abs(r) / p[3] for r, p in zip(resid, points)) < 0.05  # the model fits its own engine
+    slope, how = calibrate.fit_prefill(pre)
+    assert slope == pytest.approx(PREFILL_S, rel=0.05) and how.startswith("slope"), (slope, how)
+
+
+def test_decode_fit_clips_a_negative_term_and_keeps_a_plus_b_positive():
+    """An engine whose per-iteration time does not grow with n (b = 0, all cost in the context): a noisy fit
+    may give b < 0; it is clipped to 0, and the other two terms still come out near the truth."""
+    rng = random.Random(0)
+    a, c = 1e-3, 2e-6
+    points = []
+    for n in (1, 8, 32, 128):
+        for L in (16, 64):
+            it = a + c * n * (PROMPT_TOKENS + L / 2)
+            points.append(calibrate.decode_point(n, L, PROMPT_TOKENS, 0.1, 0.1 + (L - 1) * _noisy(rng, it)))
+    fit, _ = calibrate.fit_decode(points)
+    assert fit["decode_per_seq_s"] >= 0 and fit["decode_base_s"] + fit["decode_per_seq_s"] > 0
+    assert fit["decode_base_s"] == pytest.approx(a, rel=0.2)
+    assert fit["decode_per_ctx_token_s"] == pytest.approx(c, rel=0.1)
+
+
+def test_learner_fit_recovers_base_and_per_token_cost_per_rank_and_epoch():
+    """Step seconds = base + epochs · per_token_s · tokens / ranks (the planner's learner model): with 2 ranks
+    and 3 epochs the profile's per_token_s is the fitted slope x 2 / 3."""
+    rng = random.Random(1)
+    base, per_token, ranks, epochs = 0.4, 2e-5, 2, 3
+    tokens = [8000, 12000, 16000, 20000, 24000, 30000]
+    seconds = [_noisy(rng, base + epochs * per_token * t / ranks) for t in tokens]
+    cfg = SimpleNamespace(learner=SimpleNamespace(epochs=epochs), placement=SimpleNamespace(learner_ranks=ranks))
+    part, src, mean_s = calibrate.learner_part(cfg, [99.0, *seconds], [tokens[0], *tokens], warmup=1)
+    assert part["step_base_s"] == pytest.approx(base, rel=0.1), part
+    assert part["per_token_s"] == pytest.approx(per_token, rel=0.05), part
+    assert mean_s == pytest.approx(sum(seconds) / len(seconds))  # the warm-up step (99 s) is left out
+    assert "lstsq" in src["learner"]
+
+
+def test_learner_fit_without_a_token_spread_charges_everything_per_token():
+    """Batches of (nearly) equal size show no slope: base 0, per token = mean s / mean tokens."""
+    base, slope, how = calibrate.fit_learner([1.0, 1.1, 0.9], [10000, 10100, 9900])
+    assert base == 0.0 and slope == pytest.approx(1.0 / 10000) and "vary by" in how
