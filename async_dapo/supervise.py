@@ -277,11 +277,12 @@ class EngineSupervisor:
             if st["version"] == version:
                 continue
             if st.get("stopped"):  # with no other engine to compare with (one engine, or all of them stuck)
-                stuck.append((r, f"did not load weight version {version}: its processes {st['stopped']} are "
-                                 f"stopped (push bound {bound:.0f} s)"))
+                stuck.append((r, f"hung inside the push of weight version {version}: its processes "
+                                 f"{st['stopped']} are stopped (push bound {bound:.0f} s)"))
             elif loaded and (st["loading_s"] or 0.0) > bound:
-                stuck.append((r, f"did not load weight version {version} in {st['loading_s']:.0f} s while "
-                                 f"rollout actor(s) {loaded} did (push bound {bound:.0f} s)"))
+                stuck.append((r, f"hung inside the push of weight version {version}: still loading after "
+                                 f"{st['loading_s']:.0f} s while rollout actor(s) {loaded} have it (push bound "
+                                 f"{bound:.0f} s)"))
         return stuck + [(r, f"did not answer in {asked:.0f} s during the push of version {version} (hung)")
                         for r in late]
 

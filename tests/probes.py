@@ -14,9 +14,10 @@ class ProbedRolloutWorker(RolloutWorker):
 
     def generate(self, prompts: list[list[int]], params: dict[str, Any]) -> list[dict[str, Any]]:
         """One completion per prompt by the training path (``sample_once``): SGLang's output dicts, bounded
-        by logging.val_timeout_s (cancelled, its requests aborted, on expiry)."""
+        by rollout.request_timeout_s like any request of that path (cancelled, its requests aborted, on
+        expiry). Not logging.val_timeout_s: a test shortens that one to time a validation out."""
         coro = gather_all(self.session.sample_once(p, params) for p in prompts)
-        return self._call(coro, self.session.cfg.logging.val_timeout_s, "generate")
+        return self._call(coro, self.session.cfg.rollout.request_timeout_s, "generate (rollout.request_timeout_s)")
 
     def num_running_requests(self) -> int:
         """Requests the engine is working on right now (to update weights mid-generation)."""

@@ -121,9 +121,8 @@ def _idle(m: dict) -> float:
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_one_of_two_engines_fails_and_training_goes_on(tiny_model, tmp_path, fault):
     """SIGKILL: noticed at the next heartbeat. SIGSTOP: the engine hangs inside a weight update (the push
-    reaches it within a step), which it may legitimately be busy with for weight_sync.timeout_s (20 s here);
-    the push then fails and the next heartbeat (health_check_timeout_s, 10 s) names it: that detection is the
-    one stall left. Either way the replacement starts in the background and the learner trains on the
+    reaches it within a step), where a heartbeat cannot judge it; the push is watched instead and, past its
+    bound (a third of health_check_timeout_s here), the engine is named by its stopped processes. Either way the replacement starts in the background and the learner trains on the
     survivor's groups until it serves."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     steps = 200  # enough to outlast an engine start on a loaded 2-core machine (30-75 s)
@@ -169,9 +168,11 @@ def test_one_of_two_engines_fails_and_training_goes_on(tiny_model, tmp_path, fau
     assert len(during) >= 5, (during, recovery_s)
     assert longest < 0.25 * recovery_s, (longest, recovery_s)
     assert survivor_share > 0.9  # engine 0 went on generating (the first step may hold groups of engine 1)
-    # Detection: a dead engine at the next heartbeat; a hung one within its update's bound plus a heartbeat.
-    assert detect_s < (5 if fault == "SIGKILL" else 20 + 10 + 10), detect_s
-    assert detect_stall < (5 if fault == "SIGKILL" else 20 + 10 + 10), detect_stall
+    # Detection: a dead engine at the next heartbeat; a hung one within the push's bound (at most
+    # health_check_timeout_s, 10 s) plus the step that carried the push.
+    assert detect_s < (5 if fault == "SIGKILL" else 10 + 5), detect_s
+    # The learner's cost of a hang: at most placement.health_check_timeout_s (10 s) + one median step.
+    assert detect_stall <= (5 if fault == "SIGKILL" else 10 + normal), (detect_stall, normal)
     # The survivor's cost of each change is one group rebuild and one push, not a restart.
     assert len(regroups) == 2 and all(r["seconds"] < 10 for r in regroups), regroups
     assert regroups[0]["engines"] == [0] and regroups[1]["engines"] == [0, 1] and regroups[1]["joined"] == [1]

@@ -181,7 +181,7 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
         if switch > 0:
             _assert_close(_hf_logprobs(old_state, tiny_model, prompt, ids)[:switch], lps[:switch])
     # After the update every new sample is on the new version and matches the new weights.
-    fresh = ray.get(actor.generate.remote(prompts[:1], {"temperature": 1.0, "max_new_tokens": 8}))[0]
+    fresh = ray.get(actor.generate.remote(prompts[:1], {"temperature": 1.0, "max_new_tokens": 8}), timeout=120)[0]
     assert {s["version"] for s in fresh["meta_info"]["weight_versions"]} == {str(version)}
     ref = _hf_logprobs(new_state, tiny_model, prompts[0], fresh["output_ids"])
     _assert_close(ref, torch.tensor([lp for lp, *_ in fresh["meta_info"]["output_token_logprobs"]]))

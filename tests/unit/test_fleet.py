@@ -445,7 +445,8 @@ def test_a_lone_engine_whose_processes_are_stopped_is_hung_inside_the_push(fake_
     clock.now += 1.0
     sup.detect(2)
     assert list(placed.engines) == [] and fake_ray == ["e0"] and sup.restarts == 1
-    assert "rollout actor 0 failed: did not load weight version 2: its processes [4242] are stopped" in caplog.text
+    assert "rollout actor 0 failed: hung inside the push of weight version 2: its processes [4242] are stopped" \
+        in caplog.text
 
 
 def test_a_push_that_every_engine_loaded_is_not_asked_about_again(fake_ray, monkeypatch):
