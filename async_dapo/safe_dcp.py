@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.serialization import _get_layout
 
+from async_dapo.checkpoints import file_kind
 from async_dapo.rank_state import CheckpointError
 
 # Every global a DCP metadata pickle of this torch references (pickletools on a learner checkpoint; they are
@@ -284,12 +285,8 @@ def _is_plain_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and not {"/", "\\", "\0"} & set(name)
 
 
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
-
-
 def _not_regular(file: Path, mode: int) -> CheckpointError:
-    kind = next((k for is_kind, k in _KINDS if is_kind(mode)), "of an unknown kind")
+    kind = file_kind(mode, "of an unknown kind")
     return CheckpointError(f"{file}: is {kind}, not a regular file; only regular files in the checkpoint "
                            f"directory are read")
 
