@@ -483,9 +483,10 @@ class PlacementConfig(_Section):
     health_check_timeout_s: float = Field(
         30, gt=0, description="A heartbeat (one 1-token generate through the engine) unanswered after this "
         "many seconds marks the engine hung: it is killed and replaced. Also the one bound on every call the "
-        "supervisor makes to all engines at once (leave, join and form the weight group, start producing, "
-        "shut down, counters) and the ceiling of a push's own bound (5 x the median push, at least a third "
-        "of this), past which an engine that has not loaded it while another has is hung.",
+        "supervisor makes to all engines at once (start producing, shut down, counters), and the ceiling of "
+        "the bounds taken from an operation's own recent durations (5 x their median, at least a third of "
+        "this): each step of a weight-group formation (leave, dtype, join), and a push, past which an engine "
+        "that has not loaded it while another has is hung.",
     )
     max_engine_restarts: int = Field(
         3, ge=0, description="Replacements of dead/hung rollout actors over the whole run; once exhausted "

@@ -39,7 +39,7 @@ from async_dapo.config import Config
 from async_dapo.device import learner_backend, local_gpu_index, pin_threads, seed_everything
 from async_dapo.loss import entropy_and_token_prob, importance_weights, policy_loss, token_logprobs
 from async_dapo.shards import load_local_shards, materialize, params_on_meta
-from async_dapo.weight_sync import WeightSender, rendezvous_endpoint, sglang_name
+from async_dapo.weight_sync import CONTROL, WeightSender, rendezvous_endpoint, sglang_name
 
 
 def learner_device(cfg: Config) -> str:
@@ -385,5 +385,6 @@ def learner_actor_class(cfg: Config, worker: type = LearnerWorker, **options):
 
     p = cfg.placement
     env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    return ray.remote(worker).options(num_cpus=p.learner_cpus, num_gpus=p.learner_gpus,
-                                             runtime_env={"env_vars": env}, **options)
+    # (concurrency groups cannot be given to .options(): they belong to the class)
+    return ray.remote(concurrency_groups={CONTROL: 1})(worker).options(
+        num_cpus=p.learner_cpus, num_gpus=p.learner_gpus, runtime_env={"env_vars": env}, **options)

@@ -206,14 +206,15 @@ class Run:
         return batch
 
     def _await_batch(self) -> list:
-        """Poll the queue (a few seconds at a time) for B groups; between polls the supervisor does its
-        bounded round (heartbeats, failures, engines coming in or leaving). Stops the run when the queue reports
-        it cannot fill a batch, or when no group arrived for replay.silence_timeout_s (silence, not
-        duration: a slow engine that delivers is fine)."""
+        """Poll the queue (2 s at a time; 0.2 s while a regroup moves on) for B groups; between polls the
+        supervisor does its bounded round (heartbeats, failures, engines coming in or leaving). Stops the run
+        when the queue reports it cannot fill a batch, or when no group arrived for replay.silence_timeout_s
+        (silence, not duration: a slow engine that delivers is fine)."""
         rc = self.cfg.replay
         while True:
             self.supervisor.poll(self.version)
-            got = self.placed.get(self.placed.replay.get_batch.remote(self.version, 2.0), "replay get_batch")
+            wait_s = 0.2 if self.supervisor.busy else 2.0  # a regroup moves on at each poll: poll it often
+            got = self.placed.get(self.placed.replay.get_batch.remote(self.version, wait_s), "replay get_batch")
             if got["batch"] is not None:
                 return got["batch"]
             if got["problem"]:
@@ -260,7 +261,10 @@ class Run:
 
     def _previous_push_ok(self) -> bool:
         """Wait for the previous push, heartbeating meanwhile (an engine hung under it is killed, which ends
-        the wait); False when the supervisor rebuilt the group, which pushed the current weights already."""
+        the wait); False when the supervisor rebuilds the group, which pushes the current weights itself
+        (while it forms the group, pushes are skipped: the engines go on with the weights they have)."""
+        if self.supervisor.forming:
+            return False
         if self.supervisor.pushing:  # a regroup's push: the supervisor lets its joiners in once it landed
             self.supervisor.finish_push(self.version)
         try:

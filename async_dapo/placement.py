@@ -25,7 +25,7 @@ from async_dapo.learner import learner_actor_class, learner_device
 from async_dapo.replay_queue import replay_actor_class
 from async_dapo.rollout import rollout_actor_class
 from async_dapo.supervise import ActorDied, RunFailed, WaitExpired, cause_of, fan_out, wait_all
-from async_dapo.weight_sync import ActorCallback, WeightGroup
+from async_dapo.weight_sync import ActorCallback, WeightGroup, on_control
 
 log = logging.getLogger("async_dapo")
 
@@ -147,11 +147,12 @@ class Placed:
         self.push_in_flight = (version, time.monotonic(), dict(self.engines))
 
     def push_idle(self) -> bool:
-        """Whether learner rank 0 has no push in flight; False while it cannot answer yet (it is training)."""
+        """Whether learner rank 0 has no push in flight; False until its answer came (asked once, beside
+        training, and collected by a later call without waiting)."""
         import ray
 
         if self._push_idle_ref is None:
-            self._push_idle_ref = self.learners[0].push_idle.remote()
+            self._push_idle_ref = on_control(self.learners[0], "push_idle").remote()
         if not ray.wait([self._push_idle_ref], timeout=0)[0]:
             return False
         ref, self._push_idle_ref = self._push_idle_ref, None
@@ -265,8 +266,11 @@ class Placed:
         if pg is not None:
             remove_placement_group(pg)
 
-    def rebuild_weight_group(self) -> None:
-        self.weights.rebuild(self.learners[0], dict(sorted(self.engines.items())))
+    def rebuild_weight_group(self, engines: dict | None = None, bound: float | None = None) -> None:
+        """A new weight group with ``engines`` (rank -> actor; default: the serving ones), each step bounded by
+        ``bound`` (default placement.health_check_timeout_s)."""
+        engines = self.engines if engines is None else engines
+        self.weights.rebuild(self.learners[0], dict(sorted(engines.items())), bound)
 
     def shutdown(self) -> None:
         """End what this run started, by handle: engines (SGLang processes), learners, queue, the group."""
@@ -343,7 +347,7 @@ def place(cfg: Config, initial_version: int = 0) -> Placed:
     placed.get([e.get_stats.remote() for e in placed.serving()] + [r.ready.remote() for r in placed.learners],
                f"start of {n_eng} engine(s) and {n_lrn} learner rank(s)", p.start_timeout_s)
     placed.weights = WeightGroup(cfg, dist_backend(learner_device(cfg), cfg.weight_sync.backend), placed.get,
-                                 lambda: placed.get(placed.learners[0].weight_group_endpoint.remote(),
+                                 lambda: placed.get(on_control(placed.learners[0], "weight_group_endpoint").remote(),
                                                     "weight-group endpoint on learner rank 0"))
     placed.weights.open(placed.learners[0], dict(sorted(placed.engines.items())))
     log.info("placed %d engine(s) and %d learner rank(s)", n_eng, n_lrn)

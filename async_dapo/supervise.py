@@ -7,7 +7,7 @@ the weight-update group, its in-flight prompts) would be gone and nobody would r
 orchestrator does the restart itself, the way slime's fault tolerance does (heartbeat every 10 s, kill a
 silent engine, restart it with current weights) — but without stopping training: the orchestrator calls
 :meth:`EngineSupervisor.poll` between its polls of the replay queue. A poll never starts an engine and never
-waits on one engine: what it asks of several engines it asks of all at once, under one bound,
+waits on one engine: what it asks of several engines it asks of all at once, under one bound, at most
 ``placement.health_check_timeout_s`` (the engines that do not answer in it are named and taken out).
 
 1. heartbeat, in the background: every ``placement.health_check_interval_s`` each serving engine is sent a
@@ -20,8 +20,9 @@ waits on one engine: what it asks of several engines it asks of all at once, und
    cursor: nothing lost, nothing trained twice), and the weight group rebuilt with the survivors, who then
    load the current weights; they go on generating and the learner goes on training on their groups;
 3. its replacement starts in the background in the same placement group (an added engine: in a new one);
-   once its engine is up the group is rebuilt with it (a regroup: see ``_rebuild``) and the current weights
-   are pushed; it admits prompts only once that push has landed, and one that dies then is replaced again;
+   once its engine is up and has answered a first heartbeat, the group is formed again with it on a thread
+   of the driver while training goes on (a regroup: see ``_rebuild``) and the current weights are pushed;
+   it admits prompts only once that push has landed, and one that dies then is replaced again;
 4. an engine removed by a scale request stops admitting and its in-flight prompts are released, then the
    removed engines are shut down together and their placement groups removed: resources go back to Ray;
 5. after ``placement.max_engine_restarts`` replacements the run stops with :class:`RunFailed`.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -124,6 +126,30 @@ def cause_of(exc: BaseException) -> str:
     return last.split(". ")[0][:200]  # Ray's explanations run on for several sentences
 
 
+class Background:
+    """``fn()`` on a daemon thread of the driver (Ray's API is thread-safe); :meth:`done` never waits, then
+    ``error`` is what it raised (None: it returned). Its every wait has its own bound, so the thread ends."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # how long fn ran, once done
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(fn,), name="async-dapo-regroup", daemon=True).start()
+
+    def _run(self, fn) -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+        except BaseException as exc:  # handed to the loop's thread, which raises or acts on it
+            self.error = exc
+        finally:
+            self.seconds = time.monotonic() - t0
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
 @dataclass
 class _Starting:
     """An engine on its way in: waiting for its placement group, then for its engine, then for the group."""
@@ -133,6 +159,8 @@ class _Starting:
     since: float  # time.monotonic() when it was asked for
     actor: Any = None
     up: Any = None  # its get_stats ref: answers once the engine is up
+    beat: Any = None  # then its first heartbeat's ref: a generation through its scheduler, before it may join
+    beat_t0: float = 0.0
     ready: bool = False
     reported: float = 0.0
 
@@ -145,7 +173,8 @@ class EngineSupervisor:
     RunFailed if it failed; ``push_status()`` is True once no push is in flight (never waits)."""
 
     def __init__(self, placed, last_checkpoint, push: Callable[[int], None], wait_push: Callable[..., Any],
-                 push_status: Callable[[], bool], on_change=None, clock=None, run_dir=None) -> None:
+                 push_status: Callable[[], bool], on_change=None, clock=None, run_dir=None,
+                 form: Callable[[Callable[[], None]], Any] | None = None) -> None:
         self.placed, self.cfg = placed, placed.cfg
         self.last_checkpoint = last_checkpoint  # () -> str, for the stop message
         self.push, self.wait_push, self.push_status = push, wait_push, push_status
@@ -161,6 +190,9 @@ class EngineSupervisor:
         self._next_check = time.monotonic() + self.cfg.placement.health_check_interval_s
         self._regroup = False  # the serving engines changed: the weight group must follow
         self._joining: dict[int, _Starting] = {}  # up and in the group's next rebuild, not admitting yet
+        self.form = form or Background  # runs the group formation beside the loop (tests: inline)
+        self._forming: dict[str, Any] | None = None  # the group formation under way (its job and timings)
+        self._group_durations: list[float] = []  # the last formations' durations (their bound: group_bound)
         self._pushing: dict[str, Any] | None = None  # the regroup's push in flight (its version and timings)
         self._push_failures = 0  # regroup pushes failed in a row with no engine to blame
         self._push_checked: tuple | None = None  # the push in flight every engine was seen to load
@@ -173,11 +205,14 @@ class EngineSupervisor:
         group rebuild (with a push) if the serving engines changed."""
         with self.clock.phase("supervision") if self.clock else contextlib.nullcontext():
             self.detect(version)
-            self._apply_scale_request(version)
+            if self._forming is None:  # a request may remove a member of the group being formed: after it
+                self._apply_scale_request(version)
             self._advance(version)
+            if self._forming is not None:
+                self._check_formed(version)
             if self._pushing is not None:
                 self._check_push(version)
-            if self._regroup and self._pushing is None:
+            if self._regroup and self._forming is None and self._pushing is None and self._push_settled():
                 self._rebuild(version)
 
     def detect(self, version: int) -> None:
@@ -194,10 +229,9 @@ class EngineSupervisor:
         failed = self.failed_engines()
         if failed:
             self.replace(failed, version)
-        if self._regroup:
-            self._rebuild(version)  # starts the push of the current weights
-            return True
-        return False
+        if self._regroup and self._forming is None:
+            self._rebuild(version)  # forms the group in the background, then pushes the current weights
+        return self._regroup or self._forming is not None
 
     def failed_engines(self) -> list[tuple[int, str]]:
         """Heartbeat every serving engine and wait for the answers: [(rank, reason)] of the failed ones."""
@@ -218,6 +252,17 @@ class EngineSupervisor:
     def regroup_pending(self) -> bool:
         """An engine left or came up and the weight group has not followed yet."""
         return self._regroup
+
+    @property
+    def busy(self) -> bool:
+        """A regroup is pending or under way (its next stage is due at the next poll: poll often)."""
+        return self._regroup or self._forming is not None or self._pushing is not None
+
+    @property
+    def forming(self) -> bool:
+        """A new weight group is being formed: no push can go out until it is (the regroup pushes the
+        weights current when it is formed)."""
+        return self._forming is not None
 
     # ------------------------------------------------------------------ failures
     def _heartbeat_results(self) -> list[tuple[int, str]]:
@@ -247,10 +292,15 @@ class EngineSupervisor:
         return failed
 
     def push_bound(self) -> float:
-        """How long a push may run before the engines that have not loaded it are looked at: five times the
-        recent pushes' median, at least a third of placement.health_check_timeout_s, at most all of it."""
-        hc, took = self.cfg.placement.health_check_timeout_s, sorted(self.placed.push_durations)
-        return min(hc, max(hc / 3, 5 * took[len(took) // 2])) if took else hc / 3
+        """How long a push may run before the engines that have not loaded it are looked at (see
+        :func:`watch_bound`, from the recent pushes' durations)."""
+        return watch_bound(self.cfg.placement.health_check_timeout_s, self.placed.push_durations)
+
+    def group_bound(self) -> float:
+        """Each step of a group formation (leave, dtype, rendezvous) is bounded by this (see
+        :func:`watch_bound`, from the recent formations' durations): while it forms no push goes out, so an
+        engine hung in it costs the learner this at most, not a whole health_check_timeout_s."""
+        return watch_bound(self.cfg.placement.health_check_timeout_s, self._group_durations)
 
     def _hung_in_push(self) -> list[tuple[int, str]]:
         """A push past :meth:`push_bound`: the engines still loading it while another engine of the push has
@@ -345,6 +395,8 @@ class EngineSupervisor:
                 s.reported = time.monotonic()
                 log.warning("rollout actor %d (%s) waits for resources for %.0f s: %s", s.rank, s.why, age,
                             self.placed.waiting_for(s.rank))
+            elif s.beat is not None:
+                self._first_beat(s)
             elif s.actor is not None and ray.wait([s.up], timeout=0)[0]:
                 self._came_up(s)
             if not s.ready and self.starting.get(s.rank) is s and age > self.cfg.placement.start_timeout_s:
@@ -352,15 +404,30 @@ class EngineSupervisor:
                                       "(placement.start_timeout_s)")
 
     def _came_up(self, s: _Starting) -> None:
+        """Its engine is up: send it a heartbeat, which it must answer before it joins the weight group (a
+        rendezvous blocks every member until all arrived: an engine hung already must not hold the others)."""
         import ray
 
         try:
-            ray.get(s.up)  # ready: returns at once (raises if the engine did not start)
+            stats = ray.get(s.up)  # ready: returns at once (raises if the engine did not start)
         except Exception as exc:
             self._start_failed(s, f"engine start failed: {cause_of(exc)}")
             return
+        self._event("up", rank=s.rank, why=s.why, seconds=time.monotonic() - s.since, pid=stats.get("pid"))
+        s.beat, s.beat_t0 = s.actor.health.remote(self.cfg.placement.health_check_timeout_s), time.monotonic()
+
+    def _first_beat(self, s: _Starting) -> None:
+        """Its first heartbeat answered: ready to join; not in health_check_timeout_s (+10 s): hung, retried."""
+        import ray
+
+        timeout = self.cfg.placement.health_check_timeout_s
+        answered = bool(ray.wait([s.beat], timeout=0)[0])
+        if not answered and time.monotonic() - s.beat_t0 <= timeout + 10:
+            return
+        if why := _verdict(s.beat, answered, timeout):
+            self._start_failed(s, f"its first heartbeat: {why}")
+            return
         s.ready, self._regroup = True, True
-        self._event("up", rank=s.rank, why=s.why, seconds=time.monotonic() - s.since)
 
     def _start_failed(self, s: _Starting, why: str) -> None:
         """A replacement that cannot start is retried (a restart more); an added engine is given up."""
@@ -391,12 +458,17 @@ class EngineSupervisor:
     # ------------------------------------------------------------------ the weight group follows
     # A regroup is a stage of this state machine, never one long call: (1) settle the push in flight (the
     # heartbeats run while it waits, so an engine hung under it is killed, which ends the wait), (2) form the
-    # new group (every engine asked at once, bounded by health_check_timeout_s), (3) start the push of the
-    # current weights and return: the learner trains on the survivors' groups while it lands. Only once it
-    # landed (collected by a later poll, or by the loop before its next push) do the joiners admit prompts.
+    # new group on a thread of its own (every engine asked at once, each step bounded by
+    # health_check_timeout_s; learner rank 0 opens its side beside training), collected by a later poll,
+    # (3) start the push of the current weights and return. The learner trains on the survivors' groups all
+    # along; only once the push landed (collected by a later poll, or by the loop before its next push) do
+    # the joiners admit prompts.
+    def _push_settled(self) -> bool:
+        """No push is in flight, or the one in flight has finished (never waits: a regroup starts later)."""
+        return self.placed.push_in_flight is None or self.push_status()
+
     def _rebuild(self, version: int) -> None:
-        """Stages 1-2 and the start of 3 (see above). An engine that fails meanwhile is taken out and the
-        regroup is tried again at the next poll."""
+        """Stage 1 and the start of stage 2 (see above); :meth:`_check_formed` goes on from there."""
         t0 = time.monotonic()
         self._settle_push(version)
         for s in [s for s in self.starting.values() if s.ready]:
@@ -405,14 +477,29 @@ class EngineSupervisor:
         self.placed.engines = dict(sorted(self.placed.engines.items()))
         self.placed.joining = set(self._joining)  # in the group, not serving: no prompts, no validation
         self._regroup = False
-        t1 = time.monotonic()
-        try:
-            self.placed.rebuild_weight_group()
-        except RunFailed as exc:
-            self._regroup_failed(exc, version)
+        engines, bound = dict(self.placed.engines), self.group_bound()
+        self._forming = {"t0": t0, "wait_push_s": time.monotonic() - t0,
+                         "job": self.form(lambda: self.placed.rebuild_weight_group(engines, bound))}
+        self._check_formed(version)  # an inline former (tests) is done already
+
+    def _check_formed(self, version: int) -> None:
+        """Stage 2's end, once the group is formed (never waits for it): push the current weights to it, or,
+        if forming it failed, take out the engines that explain it and try again at the next poll."""
+        job = self._forming["job"]
+        if not job.done():
             return
-        self._pushing = {"version": version, "t0": t0, "wait_push_s": t1 - t0, "group_s": time.monotonic() - t1,
-                         "t_push": time.monotonic()}
+        forming, self._forming = self._forming, None
+        if job.error is not None:
+            if not isinstance(job.error, RunFailed):
+                raise job.error
+            self._regroup_failed(job.error, version)
+            return
+        if self._regroup:  # the fleet changed while the group formed: form it again before any push
+            return
+        now = time.monotonic()
+        self._group_durations = [*self._group_durations[-19:], job.seconds]
+        self._pushing = {"version": version, "t0": forming["t0"], "wait_push_s": forming["wait_push_s"],
+                         "group_s": job.seconds, "t_push": now}
         if self.placed.engines:
             self.push(version)  # returns once the learner's shards are snapshotted
         else:  # nothing serves (the only engine failed): its replacement is pushed to when it comes up
@@ -588,6 +675,13 @@ class EngineSupervisor:
                 f.write(json.dumps({"time": time.time(), "event": event, **fields}) + "\n")
         except OSError as exc:
             log.error("fleet event %s not recorded in %s: %s", event, self.dir.fleet, exc)
+
+
+def watch_bound(hc: float, durations: list[float]) -> float:
+    """Five times the median of ``durations`` (the same operation's recent runs), at least a third of ``hc``
+    (placement.health_check_timeout_s: a slow but healthy run is never judged), at most all of it."""
+    took = sorted(durations)
+    return min(hc, max(hc / 3, 5 * took[len(took) // 2])) if took else hc / 3
 
 
 def scale_target(cfg, text: str) -> int:

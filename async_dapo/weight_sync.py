@@ -46,6 +46,10 @@ from async_dapo.supervise import RunFailed, engines_failed, fan_out
 log = logging.getLogger("async_dapo")
 
 WEIGHT_GROUP = "async_dapo_weights"  # + a generation suffix: the group is rebuilt when an engine is replaced
+# Learner rank 0's Ray concurrency group for the weight group's lifecycle (endpoint, open, close, push_idle):
+# these run on a thread of their own, beside train_step, so a regroup never waits for a training step and
+# the learner trains while the group forms. Only those calls use it, and never two at once.
+CONTROL = "control"
 # Wrappers that FSDP2 / activation checkpointing / torch.compile may insert into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -148,6 +152,11 @@ def close_update_group(pg) -> None:
     dist.destroy_process_group(pg)
 
 
+def on_control(actor, method: str):
+    """``actor.<method>`` run in the learner's :data:`CONTROL` concurrency group (beside training)."""
+    return getattr(actor, method).options(concurrency_group=CONTROL)
+
+
 def group_name(generation: int) -> str:
     return f"{WEIGHT_GROUP}_{generation}"
 
@@ -165,13 +174,13 @@ class WeightGroup:
     def name(self) -> str:
         return group_name(self.generation)
 
-    def open(self, learner, engines: dict) -> None:
+    def open(self, learner, engines: dict, bound: float | None = None) -> None:
         """Form the group: learner rank 0 and every engine (``engines``: rank -> actor, in group order) join
         at a fresh endpoint at once; the learner is told the engines' weight dtype (each resolves it where it
-        runs). Every step is bounded by placement.health_check_timeout_s for all engines together (a
-        rendezvous takes seconds); EnginesFailed names the engines that failed or did not answer."""
+        runs). Every step is bounded by ``bound`` (default placement.health_check_timeout_s) for all engines
+        together (a rendezvous takes seconds); EnginesFailed names the engines that failed or did not answer."""
         host, port = self.endpoint()
-        tp, bound = self.cfg.rollout.engine.tp_size, self.cfg.placement.health_check_timeout_s
+        tp, bound = self.cfg.rollout.engine.tp_size, bound or self.cfg.placement.health_check_timeout_s
         world = 1 + tp * len(engines)
         dtypes, failed, late = fan_out({r: e.weight_dtype.remote() for r, e in engines.items()}, timeout_s=bound)
         engines_failed("engines' weight dtype", failed, late, bound)
@@ -180,21 +189,24 @@ class WeightGroup:
                             "set rollout.engine.dtype")
         joins = {r: e.join_weight_group.remote(host, port, world, 1 + i * tp, self.name, self.backend)
                  for i, (r, e) in enumerate(engines.items())}
-        opened = learner.open_weight_group.remote(host, port, world, self.name, dtypes.popitem()[1], bound)
+        opened = on_control(learner, "open_weight_group").remote(host, port, world, self.name, dtypes.popitem()[1],
+                                                                 bound)
         _, failed, late = fan_out(joins, timeout_s=bound + 5)  # the learner's rendezvous gives up after bound
         what = f"learner rank 0 opening {self.name}"
         if failed or late:  # the learner's side fails with them (within its bound): name the engines
             _quietly(lambda: self.get(opened, what, bound + 10))
+            if late:  # the others' joins failed because those never came: only the hung ones are to blame
+                failed = {r: why for r, why in failed.items() if why.startswith("process died")}
             engines_failed(f"engines joining {self.name}", failed, late, bound)
         self.get(opened, what, bound + 10)
 
-    def rebuild(self, learner, engines: dict) -> None:
+    def rebuild(self, learner, engines: dict, bound: float | None = None) -> None:
         """A new group (new name, new port) with ``engines`` (rank -> actor, every serving one): the learner
         closes the old one first (on gloo that also fails any engine still blocked in it), then the engines
-        leave it, all at once; one that does not answer in placement.health_check_timeout_s is named
-        (EnginesFailed) before the new group is formed without it."""
-        old, ws, bound = self.name, self.cfg.weight_sync, self.cfg.placement.health_check_timeout_s
-        self.get(learner.close_weight_group.remote(), "close weight group", 2 * ws.timeout_s)
+        leave it, all at once; one that does not answer in ``bound`` (default placement.health_check_timeout_s)
+        is named (EnginesFailed) before the new group is formed without it."""
+        old, ws, bound = self.name, self.cfg.weight_sync, bound or self.cfg.placement.health_check_timeout_s
+        self.get(on_control(learner, "close_weight_group").remote(), "close weight group", 2 * ws.timeout_s)
         _, failed, late = fan_out({r: e.leave_weight_group.remote(old) for r, e in engines.items()}, timeout_s=bound)
         for rank, why in failed.items():  # a replacement never joined the old group: refused, harmlessly
             log.debug("rollout actor %d leaving %s: %s", rank, old, why)
@@ -202,7 +214,7 @@ class WeightGroup:
         self.generation += 1
         engines_failed(f"engines leaving {old}", died, late, bound)
         if engines:  # none serving (the only engine failed): no group until one comes up
-            self.open(learner, engines)
+            self.open(learner, engines, bound)
 
 
 def _quietly(fn) -> None:

@@ -55,6 +55,7 @@ class Placed:
         self.cfg, self.engines, self.starting, self.engine_pgs = cfg, dict(engines), {}, {}
         self.log, self.placed_groups, self.room = [], set(), None
         self.joining: set[int] = set()
+        self.bounds: list = []  # each group formation's bound
         self.push_in_flight, self.push_durations = None, []
         self.start_fails: dict[int, str] = {}  # rank -> why its start_rollouts fails
         self.replay = type("Q", (), {"release_engine": _Method(lambda rank, why: self._did("release", rank, why))})()
@@ -81,11 +82,12 @@ class Placed:
 
     def spawn_engine(self, rank, version):
         self.log.append(("spawn", rank, version))
-        self.spawned[rank] = Engine(f"new{rank}", up=Ref(done=False))
+        self.spawned[rank] = Engine(f"new{rank}", up=Ref({"pid": 2}, done=False))
         return self.spawned[rank]
 
-    def rebuild_weight_group(self):
-        self.log.append(("group", sorted(self.engines)))
+    def rebuild_weight_group(self, engines=None, bound=None):
+        self.bounds.append(bound)
+        self.log.append(("group", sorted(self.engines if engines is None else engines)))
 
     def start_rollouts(self, which):
         self.log.append(("start", which))
@@ -154,11 +156,35 @@ class Learner:
             raise error
 
 
-def _supervisor(cfg, engines, tmp_path=None, learner=False):
+class Formation:
+    """A group formation the test runs by hand: ``finish()`` runs it (and records what it raised)."""
+
+    def __init__(self, fn, seconds=0.5):
+        self.fn, self.error, self.ran, self.seconds = fn, None, False, seconds
+
+    def finish(self):
+        try:
+            self.fn()
+        except BaseException as exc:
+            self.error = exc
+        self.ran = True
+
+    def done(self):
+        return self.ran
+
+
+def _inline(fn):
+    """The group forms at once (the supervisor's Background runs it on a thread)."""
+    job = Formation(fn)
+    job.finish()
+    return job
+
+
+def _supervisor(cfg, engines, tmp_path=None, learner=False, form=_inline):
     placed = Placed(cfg, engines)
     lrn = Learner(placed)
     sup = EngineSupervisor(placed, lambda: "ckpt", push=lrn.push, wait_push=lrn.wait, push_status=lambda: lrn.landed,
-                           run_dir=RunDir(tmp_path) if tmp_path else None)
+                           run_dir=RunDir(tmp_path) if tmp_path else None, form=form)
     return sup, placed, (lrn if learner else lrn.pushes)
 
 
@@ -188,15 +214,22 @@ def test_a_dead_engine_leaves_at_once_and_its_replacement_joins_only_when_up(fak
     sup.poll(9)  # placed: the actor is created at the current version; its engine is still starting
     assert placed.log[-1] == ("spawn", 1, 9) and list(placed.engines) == [0] and not sup.regroup_pending
     placed.spawned[1].up_ref.done = True
+    placed.spawned[1].health_ref = Ref(done=False)  # its first heartbeat is slow
     clock.now += 30
-    sup.poll(12)  # up: the group takes it and the current weights are pushed; it admits nothing yet
+    sup.poll(11)  # up: its first heartbeat is sent; it must answer before the group takes it
+    assert placed.spawned[1].calls == ["get_stats", "health"] and placed.log[-1] == ("spawn", 1, 9)
+    sup.poll(11)
+    assert placed.log[-1] == ("spawn", 1, 9) and not sup.regroup_pending
+    placed.spawned[1].health_ref.done, placed.spawned[1].health_ref.value = True, {"pid": 2}
+    sup.poll(12)  # answered: the group takes it and the current weights are pushed; it admits nothing yet
     assert placed.log[-1] == ("group", [0, 1]) and placed.joining == {1} and sup.pushing
     assert pushes[-1] == (12, [0, 1]) and list(placed.engines) == [0, 1] and sup.starting == {}
     sup.poll(13)  # the push landed: only now does it start admitting
     assert placed.log[-1] == ("start", [1]) and placed.joining == set() and not sup.pushing
     assert sup.replaced == [{"engines": [1], "why": "replacement", "version": 12, "recovery_s": 35.0, "start_s": 35.0}]
-    events = [e["event"] for e in map(json.loads, (tmp_path / "fleet.jsonl").read_text().splitlines())]
-    assert events == ["failed", "removed", "starting", "regrouped", "up", "regrouped", "joined"]
+    events = list(map(json.loads, (tmp_path / "fleet.jsonl").read_text().splitlines()))
+    assert [e["event"] for e in events] == ["failed", "removed", "starting", "regrouped", "up", "regrouped", "joined"]
+    assert events[4]["pid"] == 2  # the replacement's process, for whoever watches fleet.jsonl
 
 
 def test_a_hung_heartbeat_is_judged_by_its_age_and_never_waited_for(fake_ray, monkeypatch):
@@ -256,7 +289,8 @@ def test_scale_requests_add_then_remove_the_newest_engines(fake_ray, monkeypatch
     placed.placed_groups.add(1)
     sup.poll(4)
     placed.spawned[1].up_ref.done = True
-    sup.poll(5)
+    sup.poll(5)  # up: its first heartbeat goes out
+    sup.poll(5)  # answered: it joins
     assert list(placed.engines) == [0, 1] and list(sup.starting) == [2]
     run.scale.write_text(json.dumps({"engines": 1}))
     import os
@@ -342,9 +376,10 @@ def test_an_engine_that_fails_during_a_rebuild_is_taken_out_and_the_rebuild_retr
     placed.placed_groups.add(1)
     sup.poll(1)
     placed.spawned[1].up_ref.done = True
+    sup.poll(1)  # up; its first heartbeat goes out
     calls = {"n": 0}
 
-    def rebuild_fails_once():
+    def rebuild_fails_once(engines=None, bound=None):
         calls["n"] += 1
         if calls["n"] == 1:  # the rebuild with the replacement: it died right after it came up
             placed.spawned[1].health_ref = _dead()
@@ -359,6 +394,30 @@ def test_an_engine_that_fails_during_a_rebuild_is_taken_out_and_the_rebuild_retr
     assert placed.log[-1] == ("group", [0]) and pushes[-1] == (3, [0]) and set(sup.starting) == {1}
 
 
+def test_an_engine_hung_before_it_joins_is_retried_and_never_holds_the_group(fake_ray, monkeypatch, tmp_path):
+    """Its engine came up, then hung: its first heartbeat never answers. The group is never rebuilt with it
+    (its rendezvous would hold every member); after health_check_timeout_s + 10 s it is retried."""
+    clock = Clock(monkeypatch)
+    sup, placed, learner = _supervisor(load_config(None, CFG), {0: Engine("e0"), 1: Engine("e1", health=_dead())},
+                                       tmp_path, learner=True)
+    clock.now += 10
+    sup.poll(1)
+    placed.placed_groups.add(1)
+    sup.poll(1)
+    placed.spawned[1].up_ref.done = True
+    placed.spawned[1].health_ref = Ref(done=False)
+    sup.poll(2)
+    clock.now += 39
+    sup.poll(3)
+    assert 1 in sup.starting and sup.restarts == 1 and placed.log.count(("group", [0])) == 1
+    clock.now += 2
+    sup.poll(4)
+    assert fake_ray[-1] == "new1" and sup.restarts == 2 and sup.starting[1].actor is None
+    assert placed.log.count(("group", [0])) == 1 and not any(e == ("group", [0, 1]) for e in placed.log)
+    last = json.loads((tmp_path / "fleet.jsonl").read_text().splitlines()[-2])
+    assert last["event"] == "start_failed" and last["reason"] == "its first heartbeat: no heartbeat in 30 s (hung)"
+
+
 def _replacement_up(monkeypatch, tmp_path=None, restarts=3):
     """Engine 1 of two failed and its replacement's engine is up (the next poll regroups with it)."""
     clock = Clock(monkeypatch)
@@ -369,6 +428,7 @@ def _replacement_up(monkeypatch, tmp_path=None, restarts=3):
     placed.placed_groups.add(1)
     sup.poll(1)
     placed.spawned[1].up_ref.done = True
+    sup.poll(1)  # its first heartbeat goes out (answered at once: the next poll regroups)
     return clock, sup, placed, learner
 
 
@@ -385,6 +445,71 @@ def test_the_learner_is_never_held_by_a_regroup_push_and_a_joiner_serves_only_on
     sup.poll(5)
     assert placed.log[-1] == ("start", [1]) and sup.replaced[-1]["version"] == 2  # the version its push carried
     assert all(timeout == 0 for timeout, pending in fake_ray.waits if pending)  # nothing pending was waited for
+
+
+def _forming(monkeypatch, tmp_path=None):
+    """A replacement is up; the group forms by hand (``jobs[-1].finish()``), as a hung engine would hold it."""
+    clock, sup, placed, learner = _replacement_up(monkeypatch, tmp_path)
+    jobs = []
+    sup.form = lambda fn: jobs.append(Formation(fn)) or jobs[-1]
+    return clock, sup, placed, learner, jobs
+
+
+def test_the_loop_never_waits_for_a_group_to_form_and_pushes_the_weights_current_once_formed(fake_ray, monkeypatch,
+                                                                                              tmp_path):
+    from async_dapo.checkpoints import write_scale_request
+
+    clock, sup, placed, learner, jobs = _forming(monkeypatch, tmp_path)
+    pushes = len(learner.pushes)
+    sup.poll(2)  # the regroup starts: the group forms beside the loop
+    assert sup.forming and len(jobs) == 1 and placed.joining == {1}
+    write_scale_request(RunDir(tmp_path), {"engines": 1})  # would remove engine 1, a member of the forming group
+    for version in (3, 4, 5):  # three training steps while it forms: no push, no admission, the request waits
+        clock.now += 1
+        sup.poll(version)
+    assert learner.pushes[pushes:] == ["waited"] and ("start", [1]) not in placed.log and list(placed.engines) == [0, 1]
+    assert sup.forming and len(jobs) == 1
+    jobs[0].finish()
+    sup.poll(6)  # formed: the weights current now go out; the joiner admits once they landed
+    assert placed.log[-2:] == [("group", [0, 1]), ("start", [1])] and learner.pushes[-2:] == [(6, [0, 1]), "waited"]
+    assert sup.replaced[-1]["version"] == 6 and list(placed.engines) == [0, 1]
+    # Each step of a formation is bounded by 5 x the median formation (0.5 s each here), at least 30 / 3.
+    assert placed.bounds == [10.0, 10.0] and sup.group_bound() == 10.0
+    assert supervise.watch_bound(30.0, [3.0, 9.0, 3.0]) == 15.0 and supervise.watch_bound(30.0, [7.0]) == 30.0
+    sup.poll(7)  # then the request that waited
+    assert placed.log[-1] == ("pg_removed", 1) and list(placed.engines) == [0]
+
+
+def test_a_group_that_cannot_form_names_the_hung_engine_which_is_replaced(fake_ray, monkeypatch):
+    clock, sup, placed, learner, jobs = _forming(monkeypatch)
+    sup.poll(2)
+
+    def hung():
+        raise supervise.EnginesFailed("engines joining async_dapo_weights_2", {1: "did not answer in 30 s (hung)"})
+
+    jobs[0].fn = hung
+    jobs[0].finish()
+    sup.poll(3)  # the replacement that hung in the rendezvous is out (a restart more); the survivor regroups
+    assert list(placed.engines) == [0] and sup.restarts == 2 and set(sup.starting) == {1} and fake_ray[-1] == "new1"
+    assert ("start", [1]) not in placed.log and len(jobs) == 2  # the next formation, without it, has begun
+    jobs[1].finish()
+    sup.poll(4)
+    assert ("group", [0]) in placed.log[-2:] and learner.pushes[-2:] == [(4, [0]), "waited"] and not sup.forming
+
+
+def test_a_fleet_change_while_the_group_forms_forms_it_again_before_any_push(fake_ray, monkeypatch):
+    clock, sup, placed, learner, jobs = _forming(monkeypatch)
+    sup.poll(2)
+    placed.engines[0].health_ref = _dead()  # the survivor dies while the group forms
+    clock.now += 10
+    sup.poll(3)  # its heartbeat: taken out at once; the formation in flight is not stopped
+    jobs[0].finish()
+    pushes = len(learner.pushes)
+    sup.poll(4)  # formed with a dead member: formed again, with the replacement alone, before any push
+    assert learner.pushes[pushes:] == ["waited"] and len(jobs) == 2 and list(placed.engines) == [1]
+    jobs[1].finish()
+    sup.poll(5)
+    assert placed.log.count(("group", [1])) == 1 and learner.pushes[-2:] == [(5, [1]), "waited"]
 
 
 def test_a_joiner_whose_push_failed_never_serves_and_is_replaced(fake_ray, monkeypatch, tmp_path):
@@ -435,7 +560,7 @@ def test_an_engine_hung_inside_a_push_is_taken_out_once_the_push_runs_past_its_b
 def test_a_lone_engine_whose_processes_are_stopped_is_hung_inside_the_push(fake_ray, monkeypatch, caplog):
     """No other engine to compare with: one whose processes are stopped makes no progress, whatever it shows."""
     clock = Clock(monkeypatch)
-    sup, placed, _ = _supervisor(load_config(None, CFG), {0: Engine("e0")})
+    sup, placed, pushes = _supervisor(load_config(None, CFG), {0: Engine("e0")})
     placed.push_in_flight = (2, clock.now, dict(placed.engines))
     placed.engines[0].status_ref = Ref({"version": 1, "loading_s": 11.0, "stopped": []})
     clock.now += 10.5
@@ -447,6 +572,9 @@ def test_a_lone_engine_whose_processes_are_stopped_is_hung_inside_the_push(fake_
     assert list(placed.engines) == [] and fake_ray == ["e0"] and sup.restarts == 1
     assert "rollout actor 0 failed: hung inside the push of weight version 2: its processes [4242] are stopped" \
         in caplog.text
+    sup.poll(3)  # no engine serves: a group of none, no push, until the replacement is up
+    assert placed.log[-1] == ("group", []) and not sup.forming and not sup.pushing and list(sup.starting) == [0]
+    assert [p for p in pushes if p != "waited"] == []
 
 
 def test_a_push_that_every_engine_loaded_is_not_asked_about_again(fake_ray, monkeypatch):
@@ -502,3 +630,19 @@ def test_a_scale_json_that_cannot_be_read_is_refused_once_and_requests_are_new_b
     events = [e for e in map(json.loads, run.fleet.read_text().splitlines()) if e["event"].startswith("scale")]
     assert [(e["event"], e["seq"]) for e in events] == [("scale_refused", None)] * 3 + [("scale", 1), ("scale", 2)]
     assert events[-2]["engines"] == 1 and events[-1]["adding"] == [1]
+
+
+def test_the_loop_skips_its_push_while_a_group_forms():
+    """The loop's own push goes over the weight group: while a new one forms, it is skipped (the regroup
+    pushes the weights current once formed), and the previous push is not waited for again."""
+    import types
+
+    from async_dapo.orchestrator import Run
+
+    run, calls = Run.__new__(Run), []
+    run.version, run._push_failed_before = 5, False
+    run.placed = types.SimpleNamespace(wait_push=lambda meanwhile=None: calls.append("wait"))
+    run.supervisor = types.SimpleNamespace(forming=True, pushing=False, regroup_pending=False)
+    assert run._previous_push_ok() is False and calls == []
+    run.supervisor.forming = False
+    assert run._previous_push_ok() is True and calls == ["wait"]

@@ -94,6 +94,10 @@ class _Method:
         self.log.append((self.name, args))
         return self.answer
 
+    def options(self, concurrency_group=None):
+        assert concurrency_group == "control", concurrency_group  # the only group a learner call names
+        return self
+
 
 class _Actor:
     """Records calls; ``.remote`` returns the answer itself, and the group's ``get`` passes it through."""
@@ -122,7 +126,12 @@ def _fake_ray(monkeypatch):
         waits.append(timeout)
         return [r for r in refs if not isinstance(r, _Hung)], pending
 
-    fake = types.SimpleNamespace(wait=wait, get=lambda ref, timeout=None: ref,
+    def get(ref, timeout=None):
+        if isinstance(ref, Exception):  # a call that failed: ray.get raises its error
+            raise ref
+        return ref
+
+    fake = types.SimpleNamespace(wait=wait, get=get,
                                  exceptions=types.SimpleNamespace(RayActorError=type("E", (Exception,), {})))
     monkeypatch.setitem(sys.modules, "ray", fake)
     return waits
@@ -159,6 +168,8 @@ def test_an_engine_that_hangs_in_the_rendezvous_is_named_within_the_heartbeat_bo
     group, _ = _group(log, "placement.health_check_timeout_s=9")
     learner, engines = _Actor(log, "L"), {0: _Actor(log, "E0"), 1: _Actor(log, "E1")}
     engines[1].join_weight_group.answer = _Hung()
+    # Engine 0's join fails because engine 1 never came (its rendezvous timed out): engine 0 is not to blame.
+    engines[0].join_weight_group.answer = RuntimeError("init_weights_update_group refused: store timeout")
     with pytest.raises(EnginesFailed) as err:
         group.open(learner, engines)
     assert err.value.failed == {1: "did not answer in 9 s (hung)"} and waits == [9.0, 14.0]
