@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from async_dapo.config import Config, ConfigError, load_config
+from async_dapo.config import Config, ConfigError, config_yaml, load_config
 from async_dapo.data import DatasetError
 from async_dapo.supervise import RunFailed
 
@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                             help="continue the run in RUN_DIR from its latest checkpoint "
                                  "(or from RUN_DIR/checkpoints/step_N)")
+            sp.add_argument("--print-config", action="store_true",
+                            help="print the run's resolved config (every default filled in) as YAML and exit")
     sp = sub.add_parser("scale", help="ask a running run for N rollout engines (added or removed while it trains)")
     sp.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running run's logging.run_dir")
     sp.add_argument("--engines", type=_positive, required=True, metavar="N",
@@ -72,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--wait-s", type=_seconds, default=0.0, metavar="S",
                     help="wait up to S seconds for the run to apply or refuse the request and exit 0 only if it "
                          "was applied (default 0: exit once the request is written)")
+    sub.add_parser("config-reference", help="print the config reference (every section and field, its type, "
+                   "default, unit and rules) as Markdown: docs/config.md")
     _plan_parser(sub)
     return p
 
@@ -340,9 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "scale":
             return _scale(args.run_dir, args.engines, args.wait_s)
+        if args.command == "config-reference":
+            from async_dapo.config_reference import reference
+
+            print(reference(), end="")
+            return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "train":
             cfg = train_run_dir(cfg, args.resume)
+            if args.print_config:
+                print(config_yaml(cfg), end="")
+                return 0
         if args.command == "plan":
             return _plan(cfg, args)
         if args.command == "bootstrap":

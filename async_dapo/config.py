@@ -122,6 +122,7 @@ class SyntheticTaskConfig(_Section):
 
     @model_validator(mode="after")
     def _levels_known(self) -> "SyntheticTaskConfig":
+        """`levels` are among 1, 2, 3, 4; task `walk` has level 1 only."""
         bad = [lv for lv in self.levels if lv not in (1, 2, 3, 4)]
         if bad:
             raise ValueError(f"unknown level(s) {bad}; known levels are 1, 2, 3, 4")
@@ -234,7 +235,8 @@ class RewardConfig(_Section):
 
     @model_validator(mode="after")
     def _one_box_rule(self) -> "RewardConfig":
-        # strict_box_verify already scores by the box alone: a fallback for a missing Answer line means nothing
+        """`boxed_fallback` is `off` with `strict_box_verify` (the strict mode scores the box alone: a fallback
+        for a missing Answer line would mean nothing)."""
         if self.strict_box_verify and self.boxed_fallback != "off":
             raise ValueError("reward.boxed_fallback must be 'off' with reward.strict_box_verify: true (the strict "
                              "mode scores only the box)")
@@ -329,7 +331,8 @@ class DynamicSamplingConfig(_Section):
 
     @model_validator(mode="after")
     def _retire_needs_filter(self) -> "DynamicSamplingConfig":
-        # Only dynamic sampling classifies a group as all-correct; without it nothing would ever retire.
+        """`retire_solved_after` needs `enable` (only dynamic sampling classifies a group as all-correct;
+        without it nothing would ever retire)."""
         if self.retire_solved_after and not self.enable:
             raise ValueError("algorithm.dynamic_sampling.retire_solved_after needs "
                              "algorithm.dynamic_sampling.enable: true")
@@ -357,6 +360,7 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _clip_sane(self) -> "AlgorithmConfig":
+        """`clip_high` is at least half of `clip_low` (DAPO's Clip-Higher wants clip_high >= clip_low)."""
         if self.clip_high < self.clip_low * 0.5:
             raise ValueError("clip_high is far below clip_low; DAPO's Clip-Higher wants clip_high >= clip_low")
         return self
@@ -541,6 +545,7 @@ class LoggingConfig(_Section):
     @field_validator("plan_profile")
     @classmethod
     def _profile_exists(cls, v: Path | None) -> Path | None:
+        """`plan_profile`, when set, is an existing file."""
         if v is not None and not v.is_file():
             raise ValueError(f"no profile file at {v}")
         return v
@@ -979,7 +984,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_format_error(exc)) from None
 
 
+def config_yaml(cfg: Config) -> str:
+    """The resolved config (all defaults filled in) as YAML, loadable as a config file."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
 def dump_config(cfg: Config, path: Path) -> None:
-    """Write the resolved config (all defaults filled in) as YAML."""
+    """Write the resolved config as YAML (:func:`config_yaml`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    path.write_text(config_yaml(cfg))

@@ -170,7 +170,9 @@ class EngineSupervisor:
     ones and applies scale requests, in the background (see the module docstring). ``push(version)`` starts
     a push of the current weights to every engine of the group (returns once the learner snapshotted them);
     ``wait_push(meanwhile=f)`` waits for the push in flight, calling ``f`` about once a second, and raises
-    RunFailed if it failed; ``push_status()`` is True once no push is in flight (never waits)."""
+    RunFailed if it failed; ``push_status()`` is True once no push is in flight (never waits); ``form(fn)``
+    starts a group formation beside the loop and returns a job with ``done()``, ``error`` and ``seconds``
+    (default :class:`Background`)."""
 
     def __init__(self, placed, last_checkpoint, push: Callable[[int], None], wait_push: Callable[..., Any],
                  push_status: Callable[[], bool], on_change=None, clock=None, run_dir=None,
@@ -458,8 +460,8 @@ class EngineSupervisor:
     # ------------------------------------------------------------------ the weight group follows
     # A regroup is a stage of this state machine, never one long call: (1) settle the push in flight (the
     # heartbeats run while it waits, so an engine hung under it is killed, which ends the wait), (2) form the
-    # new group on a thread of its own (every engine asked at once, each step bounded by
-    # health_check_timeout_s; learner rank 0 opens its side beside training), collected by a later poll,
+    # new group on a thread of its own (every engine asked at once, each step bounded by group_bound; learner
+    # rank 0 opens its side beside training), collected by a later poll,
     # (3) start the push of the current weights and return. The learner trains on the survivors' groups all
     # along; only once the push landed (collected by a later poll, or by the loop before its next push) do
     # the joiners admit prompts.
