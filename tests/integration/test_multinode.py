@@ -11,7 +11,8 @@ stream, what transport.bind_host is for, never left its node.
 1. A run submitted with the real `ray job submit` succeeds and trains every step once, with engine, learner
    and queue each on its own node and every TCP connection of the cluster on loopback addresses.
 2. tools/study/ablate.py --quick, as the README runs it against a head (token auth on, RAY_AUTH_MODE unset),
-   submits its two runs to the same cluster as jobs; both succeed and are summarised.
+   submits its two runs to the same cluster as jobs; both succeed and are summarised (runs, curves, PNG,
+   table); run again, it finds both finished and submits nothing.
 
 The multi-node settings are the ones a real cluster needs: placement.nnodes 3 (the nodes the run spans,
 the queue's included), transport.bind_host node (the queue binds only the address Ray knows for its node
@@ -208,3 +209,30 @@ def test_ablate_quick_runs_as_jobs_on_the_cluster(cluster, shared_dir):
     for r in runs:  # each cell's run wrote its own directory, with the multi-node settings
         cfg = load_config(out / "staleness" / "quick" / f"{r['cell'].replace('/', '_')}_s0" / "config.yaml")
         assert (cfg.placement.nnodes, cfg.transport.bind_host) == (3, "node")
+    _assert_the_study_summarised(out / "staleness", runs, proc.stdout)
+    # Resumable: a second invocation finds both runs finished (made with the very config a job ran, cluster
+    # address included) and submits nothing.
+    again = subprocess.run(cmd, cwd=REPO, env=env, timeout=600, capture_output=True, text=True)
+    assert again.returncode == 0 and again.stdout.count("finished earlier") == 2, again.stdout[-2000:]
+    assert "submitted" not in again.stdout, again.stdout[-2000:]
+
+
+def _assert_the_study_summarised(study: Path, runs: list[dict], out: str) -> None:
+    """What ablate.py writes for a study: per-run figures (finite; positive where a rate, a time or a
+    count), the curves at each validation, their PNG and the table."""
+    import math
+
+    for r in runs:
+        assert float(r["distinct_val"]) >= 1000
+        for col in ("avg_at_k_0", "avg_at_k_end", "samples", "wall_min"):
+            assert math.isfinite(float(r[col])) and float(r[col]) > 0, (r["cell"], col, r[col])
+        for col in ("gain_pt", "best_gain_pt", "truncated_first10", "staleness_mean"):
+            assert math.isfinite(float(r[col])), (r["cell"], col, r[col])
+        assert float(r["best_gain_pt"]) >= float(r["gain_pt"])
+    assert float(runs[0]["staleness_mean"]) == 0.0  # eta 0: every sample from the current policy
+    with (study / "curves.csv").open() as f:
+        curves = list(csv.DictReader(f))
+    assert sorted({int(c["step"]) for c in curves}) == [0, 2, 4]  # validation every 2 steps
+    assert all(0 < float(c["avg_at_k"]) < 1 for c in curves)
+    assert (study / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| eta0/none | 1 |" in (study / "table.md").read_text() and "eta1/decoupled" in out

@@ -49,29 +49,6 @@ def test_bench_throughput_quick(tiny_model, tmp_path):
     assert "| sync | 0 |" in out and "g = sync " in out
 
 
-def test_ablate_staleness_quick(tmp_path):
-    out = _run(["tools/study/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 1200)
-    study = tmp_path / "staleness"
-    runs = _csv(study / "runs.csv")
-    assert [(r["cell"], r["seed"]) for r in runs] == [("eta0/none", "0"), ("eta1/decoupled", "0")]
-    for r in runs:
-        assert int(r["steps"]) == 4 and float(r["distinct_val"]) >= 1000
-        for col in ("avg_at_k_0", "avg_at_k_end", "samples", "wall_min"):
-            assert math.isfinite(float(r[col])) and float(r[col]) > 0, (r["cell"], col, r[col])
-        for col in ("gain_pt", "best_gain_pt", "truncated_first10", "staleness_mean"):
-            assert math.isfinite(float(r[col])), (r["cell"], col, r[col])
-        assert float(r["best_gain_pt"]) >= float(r["gain_pt"])
-    assert float(runs[0]["staleness_mean"]) == 0.0  # eta 0: every sample from the current policy
-    curves = _csv(study / "curves.csv")
-    assert sorted({int(c["step"]) for c in curves}) == [0, 2, 4]  # validation every 2 steps
-    assert all(0 < float(c["avg_at_k"]) < 1 for c in curves)
-    assert (study / "curves.png").read_bytes()[:8] == PNG
-    assert "| eta0/none | 1 |" in (study / "table.md").read_text() and "eta1/decoupled" in out
-    # resumable: a second invocation finds both runs finished and runs nothing
-    again = _run(["tools/study/ablate.py", "--study", "staleness", "--quick", "--out", str(tmp_path)], 600)
-    assert again.count("finished earlier") == 2
-
-
 def test_calibrate_quick(tmp_path):
     """The planner's calibration (roles alone) writes a valid profile whose figures the planner can use, and
     whose figures are the ones its measurements and the config imply (tests/unit/test_calibrate_fit.py checks

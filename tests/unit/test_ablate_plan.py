@@ -94,7 +94,7 @@ def test_a_multi_node_study_gives_every_run_its_own_absolute_run_dir():
     loads, and a `--set logging.run_dir=...` must not put every run into one directory."""
     sets = ["placement.nnodes=2", "transport.bind_host=0.0.0.0", "logging.run_dir=/shared/one_dir"]
     args = types.SimpleNamespace(study="staleness", preset="quick", seeds=None, out=Path("/shared/ablate"),
-                                 overrides=sets)
+                                 overrides=sets, address=None)
     cells, presets = ablate.STUDIES["staleness"]
     jobs = ablate.plan(args, presets["quick"], cells(64), Path("/shared/ablate/staleness/model"))
     dirs = [load_config(CONFIG, job.sets).logging.run_dir for job in jobs]  # the multi-node rules pass
@@ -146,7 +146,8 @@ def test_cluster_submission_runs_each_unfinished_run_once_within_max_jobs(tmp_pa
     done.mkdir(parents=True)
     (done / "metrics.jsonl").write_text(json.dumps({"step": 80, "perf/time_per_step": 1.0}) + "\n"
                                         + json.dumps({"step": 80, "time/total_s": 1.0}) + "\n")
-    dump_config(load_config(CONFIG, jobs[0].sets), done / "config.yaml")
+    dump_config(load_config(CONFIG, jobs[0].sets), done / "config.yaml")  # as its job wrote it:
+    assert load_config(done / "config.yaml").placement.ray_address == "auto"  # the cluster's, as the job ran
     ablate.run_cluster(args, jobs)
     assert len(client.submitted) == len(jobs) - 1 == 26 and client.max_running <= 2
     entries = [e for _, e, _ in client.submitted]

@@ -142,7 +142,8 @@ def plan(args, preset: Preset, cells: dict[str, list[str]], model: Path) -> list
                     "checkpoint.export_hf=false", f"learner.total_steps={preset.steps}",
                     f"logging.val_every_steps={preset.val_every}", f"logging.seed={seed}",
                     f"data.shuffle_seed={seed}", f"rollout.engine.random_seed={seed}",
-                    *cells[cell], *args.overrides, f"logging.run_dir={run_dir}"]  # the study's, after --set
+                    *cells[cell], *args.overrides, f"logging.run_dir={run_dir}",  # the study's, after --set
+                    *(["placement.ray_address=auto"] if args.address else [])]  # a job joins the cluster it runs on
             jobs.append(Job(cell, seed, run_dir, sets, preset.steps))
     return jobs
 
@@ -196,6 +197,9 @@ def run_cluster(args, jobs: list[Job]) -> None:
     ended = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     known = {j.submission_id: j.status for j in _call(client.list_jobs, what="list jobs") if j.submission_id}
     todo = [j for j in jobs if not j.done(args.config)]
+    for job in jobs:
+        if job not in todo:
+            print(f"{job.cell} seed {job.seed}: finished earlier", flush=True)
     running: dict[str, tuple[Job, float]] = {}
     try:
         while todo or running:
@@ -207,8 +211,7 @@ def run_cluster(args, jobs: list[Job]) -> None:
                 if sid not in known:
                     # As tools/cluster/submit.sh submits: the repository as working dir (Ray leaves .gitignore'd
                     # paths such as runs/ and .venv/ behind), async_dapo installed on every node.
-                    entry = shlex.join(["async-dapo", *train_command(args.config, job.sets
-                                                                     + ["placement.ray_address=auto"])[3:]])
+                    entry = shlex.join(["async-dapo", *train_command(args.config, job.sets)[3:]])
                     _call(client.submit_job, entrypoint=entry, submission_id=sid,
                           runtime_env={"working_dir": str(REPO)}, what=f"submit {sid}")
                 running[sid] = (job, time.monotonic())
