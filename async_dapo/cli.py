@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from async_dapo.config import Config, ConfigError, config_yaml, load_config
+from async_dapo.config import Config, ConfigError, config_from_mapping, config_yaml, load_config
 from async_dapo.data import DatasetError
 from async_dapo.supervise import RunFailed
 
@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
                          "was applied (default 0: exit once the request is written)")
     sub.add_parser("config-reference", help="print the config reference (every section and field, its type, "
                    "default, unit and rules) as Markdown: docs/config.md")
+    sp = sub.add_parser("from-verl", help="a verl DAPO launch script (or its key=value overrides) as this "
+                        "project's config: YAML on stdout, what was mapped, derived or has no equivalent on stderr")
+    sp.add_argument("source", nargs="+", metavar="SCRIPT_OR_OVERRIDES",
+                    help="a launch script's path (its variables expanded from the script and the environment), "
+                         "or verl overrides such as data.train_batch_size=512")
     _plan_parser(sub)
     return p
 
@@ -238,6 +243,33 @@ def _await_scale(rd, seq: int, offset: int, wait_s: float) -> int:
         time.sleep(0.2)
 
 
+def _from_verl(source: list[str]) -> int:
+    """Print the converted config (stdout) and what happened to every key (stderr); exit 2 with a line naming
+    the key when the config does not load as it is (a value out of range here, a rule such as a shared
+    run_dir on several nodes), so the user knows what to edit."""
+    import os
+
+    from async_dapo.from_verl import convert, parse_overrides, script_overrides, to_yaml
+
+    path = Path(source[0])
+    try:
+        if len(source) == 1 and path.is_file():
+            overrides = script_overrides(path.read_text(), os.environ)
+        else:
+            overrides = parse_overrides(source)
+        conversion = convert(overrides)
+    except ValueError as exc:  # an unreadable line, a word that is no override, an unsupported estimator
+        raise ConfigError(f"from-verl: {exc}") from None
+    print(conversion.report(), end="", file=sys.stderr)
+    print(to_yaml(conversion), end="")
+    try:  # every range and rule, as a run would check them
+        config_from_mapping(conversion.config)
+    except ConfigError as exc:
+        print(f"error: the converted config does not load yet: {exc}; set that in the YAML", file=sys.stderr)
+        return 2
+    return 0
+
+
 def train_run_dir(cfg: Config, resume: Path | None) -> Config:
     """A resumed run keeps its own directory (RUN_DIR, or the run owning RUN_DIR/checkpoints/step_N); the
     config given on the command line still applies."""
@@ -344,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "scale":
             return _scale(args.run_dir, args.engines, args.wait_s)
+        if args.command == "from-verl":
+            return _from_verl(args.source)
         if args.command == "config-reference":
             from async_dapo.config_reference import reference
 

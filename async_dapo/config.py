@@ -978,6 +978,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = parse_override(text)
         _check_path(Config, key)
         _set_dotted(tree, key, value)
+    return config_from_mapping(tree)
+
+
+def config_from_mapping(tree: dict[str, Any]) -> Config:
+    """Validate a config given as nested sections; ConfigError naming the first key or rule at fault."""
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
