@@ -258,7 +258,7 @@ def _from_verl(source: list[str]) -> int:
         else:
             overrides = parse_overrides(source)
         conversion = convert(overrides)
-    except ValueError as exc:  # an unreadable line, a word that is no override, an unsupported estimator
+    except (ValueError, OSError) as exc:  # an unreadable script or line, no override, an unsupported estimator
         raise ConfigError(f"from-verl: {exc}") from None
     print(conversion.report(), end="", file=sys.stderr)
     print(to_yaml(conversion), end="")

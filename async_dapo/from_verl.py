@@ -55,6 +55,8 @@ def _expand_arith(text: str, env: Mapping[str, str]) -> str:
             depth += {"(": 1, ")": -1}.get(text[i], 0)
             if depth == 0:
                 break
+        if depth:
+            raise ValueError(f"unbalanced $(( in: {text.strip()[:120]}")
         inner = text[start + 3:i - 1]
         text = text[:start] + str(arith(_expand_vars(inner, env), env)) + text[i + 1:]
     return text
@@ -78,7 +80,10 @@ def arith(expr: str, env: Mapping[str, str]) -> int:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -ev(node.operand)
         raise ValueError(f"unsupported shell arithmetic: $(({expr}))")
-    return ev(ast.parse(expr.strip(), mode="eval"))
+    try:
+        return ev(ast.parse(expr.strip(), mode="eval"))
+    except SyntaxError:
+        raise ValueError(f"unsupported shell arithmetic: $(({expr}))") from None
 
 
 def script_overrides(text: str, environ: Mapping[str, str]) -> dict[str, str]:
@@ -139,7 +144,6 @@ DIRECT = {
     ACTOR + "optim.lr": "learner.lr", ACTOR + "optim.lr_warmup_steps": "learner.warmup_steps",
     ACTOR + "optim.weight_decay": "learner.weight_decay", ACTOR + "grad_clip": "learner.grad_clip",
     ACTOR + "ppo_mini_batch_size": "learner.mini_batch_groups", ACTOR + "ppo_epochs": "learner.epochs",
-    ACTOR + "fsdp_config.param_offload": "learner.cpu_offload",
     "algorithm.filter_groups.enable": "algorithm.dynamic_sampling.enable",
     "algorithm.filter_groups.metric": "algorithm.dynamic_sampling.metric",
     "algorithm.filter_groups.max_num_gen_batches": "algorithm.dynamic_sampling.max_gen_rounds",
@@ -173,7 +177,10 @@ NO_EQUIVALENT = {
     ACTOR + "use_dynamic_bsz": "micro-batches are always packed to learner.micro_batch_tokens",
     ACTOR + "ppo_max_token_len_per_gpu": "learner.micro_batch_tokens is set by memory (tools/cluster/memory_model.py)",
     ACTOR + "ulysses_sequence_parallel_size": "no sequence parallelism",
-    ACTOR + "fsdp_config.optimizer_offload": "only parameter offload (learner.cpu_offload)",
+    ACTOR + "fsdp_config.param_offload": "verl offloads because its hybrid engine hands the GPUs to the rollout "
+                                         "between phases; here the learner ranks keep their GPUs (learner.cpu_offload "
+                                         "exists for GPUs too small: tools/cluster/memory_model.py)",
+    ACTOR + "fsdp_config.optimizer_offload": "see fsdp_config.param_offload",
     ACTOR + "fsdp_config.fsdp_size": "FSDP2 shards over every learner rank",
     ACTOR + "entropy_coeff": "no entropy bonus (DAPO uses none)",
     ACTOR + "use_kl_loss": "no KL term (DAPO drops it)", ACTOR + "kl_loss_coef": "no KL term (DAPO drops it)",

@@ -110,7 +110,7 @@ def test_32b_configs_hold_every_hyper_parameter_of_the_papers_recipe(name):
         (True, 4096, 1.0, None)  # the built-in math_dapo reward
     assert (r.temperature, r.top_p, r.top_k) == (1.0, 1.0, -1)
     assert (lg.val_temperature, lg.val_top_p, lg.val_n, lg.val_prompts, lg.val_before_train) == (1.0, 0.7, 32, 30, True)
-    assert (lg.val_every_steps, cfg.checkpoint.every_steps) == (5, 5)  # test_freq, save_freq
+    assert (lg.val_every_steps, cfg.checkpoint.every_steps) == (5, 25)  # test_freq, save_freq
     assert cfg.placement.nnodes == 16 and cfg.logging.run_dir.is_absolute()
     assert cfg.placement.num_engines * cfg.placement.engine_gpus + cfg.placement.learner_ranks == 128
     assert (cfg.rollout.engine.tp_size, cfg.learner.param_dtype) == (4, "bfloat16")

@@ -52,7 +52,7 @@ actor_rollout_ref.rollout.temperature=1.0 actor_rollout_ref.rollout.top_p=1.0 ac
 actor_rollout_ref.rollout.val_kwargs.temperature=1.0 actor_rollout_ref.rollout.val_kwargs.top_p=0.7
 reward_model.overlong_buffer.enable=True reward_model.overlong_buffer.len=4096
 reward_model.overlong_buffer.penalty_factor=1.0 trainer.n_gpus_per_node=8 trainer.nnodes=16
-trainer.val_before_train=True trainer.test_freq=5 trainer.save_freq=5
+trainer.val_before_train=True trainer.test_freq=5 trainer.save_freq=25 actor_rollout_ref.actor.fsdp_config.param_offload=True
 trainer.default_local_dir=/shared/runs/dapo_qwen2.5_32b""".split()
 
 
@@ -75,6 +75,12 @@ def test_the_script_expands_as_bash_would():
         "trainer.nnodes": "4",  # the environment's NNODES
     }
     assert arith("(7 + 1) * 3 / 2 - 10 % 4", {}) == 10
+
+
+@pytest.mark.parametrize("line", ["x=$((2 +))", "x=$((2 ** 3))", "x=$((__import__('os')))", "x=$((1 + 2)"])
+def test_shell_arithmetic_outside_plain_integers_is_refused(line):
+    with pytest.raises(ValueError, match=r"unsupported shell arithmetic|unbalanced"):
+        script_overrides(line, {})
 
 
 def test_the_32b_recipe_converts_to_the_shipped_config_but_the_fields_no_verl_key_sets():
