@@ -239,6 +239,8 @@ def convert(overrides: Mapping[str, str]) -> Conversion:
         if key in DIRECT:
             out.set(DIRECT[key], value)
             out.mapped.append(f"{key}={raw} -> {DIRECT[key]}: {value!r}")
+        elif key in ("custom_reward_function.path", "custom_reward_function.name"):
+            continue  # one field here: see _reward_function
         elif key == "algorithm.adv_estimator":
             if value != "grpo":
                 raise ValueError(f"algorithm.adv_estimator={value}: only grpo (DAPO's group-normalised advantage)")
@@ -248,8 +250,22 @@ def convert(overrides: Mapping[str, str]) -> Conversion:
             out.unmapped.append(f"{key}={raw}: {why}")
         else:
             out.unmapped.append(f"{key}={raw}: unknown to this converter (not mapped)")
+    _reward_function(out, overrides)
     _derive(out, overrides)
     return out
+
+
+def _reward_function(out: Conversion, overrides: Mapping[str, str]) -> None:
+    """verl's custom_reward_function (a file and a function name, default compute_score) is reward.function,
+    ``path:name``, called the same way (data_source, solution_str, ground_truth, extra_info)."""
+    path, name = overrides.get("custom_reward_function.path"), overrides.get("custom_reward_function.name")
+    if path and path not in ("null", "None"):
+        function = f"{path}:{name or 'compute_score'}"
+        out.set("reward.function", function)
+        out.mapped.append(f"custom_reward_function.path={path} name={name or 'compute_score'} -> reward.function: "
+                          f"{function!r}")
+    elif name is not None or path is not None:
+        out.unmapped.append(f"custom_reward_function.path={path} name={name}: no file: the built-in DAPO reward")
 
 
 def _derive(out: Conversion, overrides: Mapping[str, str]) -> None:

@@ -130,6 +130,16 @@ def test_the_command_prints_yaml_and_names_what_does_not_load(capsys, tmp_path):
     assert main(["from-verl", str(script)]) == 0
 
 
+def test_a_custom_reward_function_is_reward_function():
+    conversion = convert(parse_overrides(["custom_reward_function.path=/rewards/math.py",
+                                          "custom_reward_function.name=score"]))
+    assert conversion.get("reward.function") == "/rewards/math.py:score"
+    assert convert(parse_overrides(["custom_reward_function.path=/r.py"])).get("reward.function") == \
+        "/r.py:compute_score"  # verl's default name
+    builtin = convert(parse_overrides(["custom_reward_function.path=null", "custom_reward_function.name=compute_score"]))
+    assert builtin.get("reward.function") is None and len(builtin.unmapped) == 1
+
+
 @pytest.mark.parametrize("word", ["notakey", "data.x", "=3"])
 def test_a_word_that_is_no_override_is_named(word):
     with pytest.raises(ValueError, match="not a key=value override"):
