@@ -175,7 +175,10 @@ def test_refused_sender_connects_again_and_gets_in_once_a_slot_frees():
             wait_for(lambda: rx.counters["rejected_peers"] >= 1, "the late sender refused at its handshake")
             # While the slot is held, the late sender keeps connecting again (refused each time) and nothing
             # it queued arrives: its messages die with each refused connection.
-            got = sends_until(rx, late, lambda _: rx.counters["rejected_peers"] >= 3, seconds=10)
+            # (it waits for both counts it asserts: the receiver may count a reconnection before the sender's
+            # next send notices the refusal)
+            got = sends_until(rx, late, lambda _: rx.counters["rejected_peers"] >= 3 and late.refusals >= 2,
+                              seconds=10)
             assert got == [] and late.refusals >= 2
             holder.close()
             got = sends_until(rx, late, lambda got: got, seconds=10)
