@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from async_dapo.config import Config
+
 _ASSIGN = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 _OVERRIDE = re.compile(r"^\+{0,2}([A-Za-z_][\w]*(?:\.[\w]+)+)=(.*)$", re.S)
 _VAR = re.compile(r"\$\{([A-Za-z_]\w*)(?::-((?:[^{}]|\{[^{}]*\})*))?\}|\$([A-Za-z_]\w*)")
@@ -138,6 +140,7 @@ DIRECT = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": "learner.activation_checkpointing",
     ROLLOUT + "n": "rollout.n", ROLLOUT + "temperature": "rollout.temperature", ROLLOUT + "top_p": "rollout.top_p",
     ROLLOUT + "top_k": "rollout.top_k", ROLLOUT + "tensor_model_parallel_size": "rollout.engine.tp_size",
+    ROLLOUT + "dtype": "rollout.engine.dtype",
     ROLLOUT + "val_kwargs.temperature": "logging.val_temperature", ROLLOUT + "val_kwargs.top_p": "logging.val_top_p",
     ACTOR + "clip_ratio_low": "algorithm.clip_low", ACTOR + "clip_ratio_high": "algorithm.clip_high",
     ACTOR + "clip_ratio_c": "algorithm.clip_c", ACTOR + "loss_agg_mode": "algorithm.loss_agg_mode",
@@ -274,10 +277,13 @@ def _derive(out: Conversion, overrides: Mapping[str, str]) -> None:
         out.set(key, value)
         out.derived.append(f"{key}: {value!r} ({why})")
 
+    base = Config()  # this project's defaults, for what the overrides leave out
     derive("model.bootstrap", None, "a model from model.path, not the built-in tiny one")
     derive("rollout.engine.device", "cuda", "GPU engines")
-    derive("rollout.engine.dtype", _num(overrides.get(ROLLOUT + "dtype", "bfloat16")), "verl's rollout dtype")
-    prompt, response = out.get("data.max_prompt_length", 1024), out.get("rollout.max_response_length", 1024)
+    if out.get("rollout.engine.dtype") is None:
+        derive("rollout.engine.dtype", "bfloat16", "verl's default rollout dtype")
+    prompt = out.get("data.max_prompt_length", base.data.max_prompt_length)
+    response = out.get("rollout.max_response_length", base.rollout.max_response_length)
     derive("rollout.engine.context_length", prompt + response, "max_prompt_length + max_response_length")
     nodes, per_node = out.get("placement.nnodes", 1), int(_num(overrides.get("trainer.n_gpus_per_node", "8")))
     tp = out.get("rollout.engine.tp_size", 1)
@@ -290,7 +296,7 @@ def _derive(out: Conversion, overrides: Mapping[str, str]) -> None:
     derive("replay.max_staleness", 0, "verl's recipe is synchronous (eta = 0)")
     derive("algorithm.correction.mode", "none", "synchronous: the behaviour policy is the current one")
     derive("rollout.update_mode", "abort", "synchronous: a group still running when new weights arrive is resampled")
-    batch = out.get("algorithm.train_batch_groups", 512)
+    batch = out.get("algorithm.train_batch_groups", base.algorithm.train_batch_groups)
     derive("rollout.max_inflight_prompts", max(1, batch // engines), "eta = 0 admits one batch, spread over the engines")
     derive("replay.capacity_groups", 4 * batch, "at least (eta + 1) batches; 4 leave room for what admission "
            "over-generates while dynamic sampling drops groups")

@@ -107,12 +107,13 @@ def test_a_7b_script_with_the_other_overlong_keys_converts():
                                  "reward_model.reward_kwargs.overlong_buffer_cfg.len=4096",
                                  "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
                                  "reward_model.reward_kwargs.max_resp_len=8192", "data.max_response_length=8192",
+                                 "data.max_prompt_length=2048",
                                  "trainer.total_training_steps=200", "trainer.nnodes=8",
                                  "trainer.default_local_dir=/shared/ckpt",
                                  "actor_rollout_ref.rollout.tensor_model_parallel_size=4"])
     cfg = config_from_mapping(convert(overrides).config)
     assert (cfg.reward.overlong_buffer_enable, cfg.reward.overlong_buffer_length) == (True, 4096)
-    assert cfg.learner.total_steps == 200 and cfg.rollout.engine.context_length == 1024 + 8192
+    assert cfg.learner.total_steps == 200 and cfg.rollout.engine.context_length == 2048 + 8192
     assert (cfg.placement.num_engines, cfg.placement.learner_ranks) == (8, 32)  # 64 GPUs: 32 x tp 4, 32
 
 
@@ -128,6 +129,15 @@ def test_the_command_prints_yaml_and_names_what_does_not_load(capsys, tmp_path):
     script = tmp_path / "run.sh"
     script.write_text(SCRIPT.replace("trainer.nnodes=\"${NNODES}\"", "trainer.nnodes=1"))
     assert main(["from-verl", str(script)]) == 0
+
+
+def test_what_the_overrides_leave_out_is_derived_from_this_projects_defaults():
+    conversion = convert(parse_overrides(["actor_rollout_ref.rollout.dtype=float16"]))
+    cfg = config_from_mapping(conversion.config)
+    defaults = load_config()
+    assert cfg.rollout.engine.dtype == "float16" and conversion.unmapped == []
+    assert cfg.rollout.engine.context_length == defaults.data.max_prompt_length + defaults.rollout.max_response_length
+    assert cfg.rollout.max_inflight_prompts == defaults.algorithm.train_batch_groups // cfg.placement.num_engines
 
 
 def test_a_custom_reward_function_is_reward_function():
