@@ -932,7 +932,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c`` in nested dicts, creating the sections on the way."""
     node = tree
     *parents, leaf = dotted.split(".")
     for part in parents:
@@ -977,7 +978,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for text in overrides or []:
         key, value = parse_override(text)
         _check_path(Config, key)
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     return config_from_mapping(tree)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from async_dapo.config import Config
+from async_dapo.config import Config, set_dotted
 
 _ASSIGN = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 _OVERRIDE = re.compile(r"^\+{0,2}([A-Za-z_][\w]*(?:\.[\w]+)+)=(.*)$", re.S)
@@ -207,11 +207,7 @@ class Conversion:
     unmapped: list[str] = field(default_factory=list)
 
     def set(self, dotted: str, value: Any) -> None:
-        node = self.config
-        *parents, last = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
+        set_dotted(self.config, dotted, value)
 
     def get(self, dotted: str, default: Any = None) -> Any:
         node = self.config
