@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from async_dapo.config import Config, TinyModelConfig
-from async_dapo.data import (
+from async_dapo.data.rows import (
     PromptRow, walk_rows, walk_shape, WALK_SYLLABLES, encode_prompt, synthetic_distinct_rows, synthetic_response, synthetic_rows,
 )
 
@@ -186,7 +186,7 @@ def complete(model, tokenizer, rows: list[PromptRow], max_new_tokens: int, n: in
 
 def greedy_accuracy(model, tokenizer, rows: list[PromptRow], max_new_tokens: int) -> list[bool]:
     """Per-row correctness of a greedy completion, scored by the DAPO math reward."""
-    from async_dapo.reward import builtin_score
+    from async_dapo.data.reward import builtin_score
 
     texts = complete(model, tokenizer, rows, max_new_tokens)
     return [builtin_score(r.data_source, t, r.ground_truth, r.extra_info).acc for r, (t,) in zip(rows, texts)]

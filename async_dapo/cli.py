@@ -21,8 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from async_dapo.config import Config, ConfigError, config_from_mapping, config_yaml, load_config
-from async_dapo.data import DatasetError
-from async_dapo.supervise import RunFailed
+from async_dapo.data.rows import DatasetError
+from async_dapo.waits import RunFailed
 
 log = logging.getLogger("async_dapo")
 
@@ -108,7 +108,7 @@ def _plan_parser(sub) -> None:
 
 def _plan(cfg: Config, args) -> int:
     """Print the plan of ``cfg`` on the profile (markdown), and the validation or the search if asked."""
-    from async_dapo import planner as pl
+    from async_dapo import planning as pl
 
     profile, shape = pl.load_profile(args.profile), pl.Shape.from_config(cfg)
     warmup = min(10, args.steps // 6)
@@ -148,10 +148,10 @@ def _bootstrap(cfg: Config, force: bool = False) -> None:
 def _eval(cfg: Config, repeats: int = 1) -> None:
     """Validate the configured model ``repeats`` times through a rollout actor's sampling path, in this
     process (no Ray): the same function, sample type and scoring as training and in-run validation."""
-    from async_dapo.data import val_rows
-    from async_dapo.evaluate import merge_parts, val_sampling_params
+    from async_dapo.data.rows import val_rows
+    from async_dapo.rollout.evaluate import merge_parts, val_sampling_params
     from async_dapo.metrics import val_subsets_line
-    from async_dapo.rollout import RolloutWorker
+    from async_dapo.rollout.actor import RolloutWorker
 
     if cfg.model.bootstrap is not None:
         _bootstrap(cfg)
@@ -177,11 +177,11 @@ def _eval(cfg: Config, repeats: int = 1) -> None:
 
 def _scale(run_dir: Path, engines: int, wait_s: float = 0.0) -> int:
     """Write RUN_DIR/scale.json, numbered (request #N); the run's supervisor applies it at its next round
-    (async_dapo.supervise) and records ``scale`` or ``scale_refused`` with its number in fleet.jsonl. With
+    (async_dapo.fleet.supervise) and records ``scale`` or ``scale_refused`` with its number in fleet.jsonl. With
     ``wait_s`` > 0, wait for that record: 0 if applied, 1 (one line saying why) if refused, superseded by a
     later request, or not answered in time."""
-    from async_dapo.checkpoints import RunDir, fleet_end, write_scale_request
-    from async_dapo.supervise import scale_target
+    from async_dapo.checkpoint.run_dir import RunDir, fleet_end, write_scale_request
+    from async_dapo.fleet.supervise import scale_target
 
     rd = RunDir(run_dir)
     if not rd.config.exists():
@@ -207,7 +207,7 @@ def _await_scale(rd, seq: int, offset: int, wait_s: float) -> int:
     """The run's answer to request #``seq``: the first ``scale``/``scale_refused`` record in fleet.jsonl
     after ``offset`` that is about it, about a later request (which superseded it: the run reads only the
     newest), or about a scale.json the run could not read."""
-    from async_dapo.checkpoints import fleet_events
+    from async_dapo.checkpoint.run_dir import fleet_events
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -249,7 +249,7 @@ def _from_verl(source: list[str]) -> int:
     run_dir on several nodes), so the user knows what to edit."""
     import os
 
-    from async_dapo.from_verl import convert, parse_overrides, script_overrides, to_yaml
+    from async_dapo.config.from_verl import convert, parse_overrides, script_overrides, to_yaml
 
     path = Path(source[0])
     try:
@@ -275,7 +275,7 @@ def train_run_dir(cfg: Config, resume: Path | None) -> Config:
     config given on the command line still applies."""
     if resume is None:
         return cfg
-    from async_dapo.checkpoints import owning_run
+    from async_dapo.checkpoint.run_dir import owning_run
 
     return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"run_dir": owning_run(resume)})})
 
@@ -298,7 +298,7 @@ def _deadline(seconds: float, what: str):
 
 
 def _train(cfg: Config, resume: Path | None) -> int:
-    from async_dapo.checkpoints import RunDir, archive_previous_run
+    from async_dapo.checkpoint.run_dir import RunDir, archive_previous_run
     from async_dapo.metrics import PhaseClock
     from async_dapo.orchestrator import train
 
@@ -337,7 +337,7 @@ def _fatal(exc: BaseException, cfg: Config | None, command: str) -> int:
     what = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
     where = f"traceback in {_run_log}" if _to_run_log(f"{command} failed:\n{traceback.format_exc()}") else "no log file"
     if command == "train" and cfg is not None:
-        from async_dapo.checkpoints import last_checkpoint
+        from async_dapo.checkpoint.run_dir import last_checkpoint
 
         print(f"run failed: {what} ({where}); last checkpoint: {last_checkpoint(Path(cfg.logging.run_dir))}",
               file=sys.stderr)
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "from-verl":
             return _from_verl(args.source)
         if args.command == "config-reference":
-            from async_dapo.config_reference import reference
+            from async_dapo.config.reference import reference
 
             print(reference(), end="")
             return 0

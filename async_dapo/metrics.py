@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_dapo.wire import Group
+from async_dapo.stream.wire import Group
 
 # learner key -> tag. verl's names where the quantity is verl's (docs/metrics.md maps every tag).
 _LEARNER_TAGS = {

@@ -6,12 +6,12 @@ One code path serves every mode. η = ``replay.max_staleness`` alone decides how
 weights), η = 1 overlaps one step, larger η is fully asynchronous with that bound.
 
 Faults and the fleet (docs/reliability.md): while it waits for a batch (and for a push) the orchestrator lets
-the supervisor (async_dapo.supervise) heartbeat the rollout actors, take a dead or hung one out, bring its
+the supervisor (async_dapo.fleet.supervise) heartbeat the rollout actors, take a dead or hung one out, bring its
 replacement (or an engine added with ``async-dapo scale``) in, all in the background: training goes on
 with the other engines' groups. A dead learner rank, a queue that cannot fill a batch,
 or silence past ``replay.silence_timeout_s`` stops the run with one line naming what failed and the last
-checkpoint (:class:`~async_dapo.supervise.RunFailed`). Where things live on disk, which checkpoint a resume
-continues from and what it rewinds is async_dapo.checkpoints.
+checkpoint (:class:`~async_dapo.waits.RunFailed`). Where things live on disk, which checkpoint a resume
+continues from and what it rewinds is async_dapo.checkpoint.run_dir.
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_dapo import checkpoints
-from async_dapo.checkpoints import RunDir
+from async_dapo.checkpoint import run_dir as checkpoints
+from async_dapo.checkpoint.run_dir import RunDir
 from async_dapo.config import Config, dump_config
-from async_dapo.data import val_rows
-from async_dapo.evaluate import merge_parts, split_rows, val_sampling_params
+from async_dapo.data.rows import val_rows
+from async_dapo.rollout.evaluate import merge_parts, split_rows, val_sampling_params
 from async_dapo.metrics import (
     MetricsWriter, PhaseClock, fleet_metrics, progress_line, step_metrics, timed, val_subsets_line, write_atomic,
 )
-from async_dapo.wire import read_groups, write_groups
-from async_dapo.supervise import ActorDied, EngineSupervisor, RestartsExhausted, RunFailed, WaitExpired
+from async_dapo.stream.wire import read_groups, write_groups
+from async_dapo.fleet.supervise import EngineSupervisor
+from async_dapo.waits import ActorDied, RestartsExhausted, RunFailed, WaitExpired
 
 log = logging.getLogger("async_dapo")
 
@@ -95,7 +96,7 @@ class Run:
 
     def _predict(self) -> None:
         """The planner's steady-state step time for this run (logging.plan_profile), said at the start."""
-        from async_dapo.planner import predicted_step_s
+        from async_dapo.planning import predicted_step_s
 
         self._predicted_s = predicted_step_s(self.cfg.logging.plan_profile, self.cfg)
         log.info("planner (%s): %.3f s per step predicted", self.cfg.logging.plan_profile, self._predicted_s)
@@ -122,7 +123,7 @@ class Run:
         import ray
 
         from async_dapo.device import seed_everything
-        from async_dapo.placement import connect_ray, place
+        from async_dapo.fleet.placement import connect_ray, place
         from async_dapo.preflight import check_prompts, check_reward_function
 
         cfg = self.cfg

@@ -5,12 +5,12 @@ Each raises one error naming the field, file and row."""
 from __future__ import annotations
 
 from async_dapo.config import Config, ConfigError
-from async_dapo.data import fit_prompt_lengths, prompt_key, source_name, train_rows, val_rows
+from async_dapo.data.rows import fit_prompt_lengths, prompt_key, source_name, train_rows, val_rows
 
 
 def check_reward_function(cfg: Config) -> None:
     """``reward.function`` must load here as it will in every rollout actor."""
-    from async_dapo.reward import load_score_fn
+    from async_dapo.data.reward import load_score_fn
 
     try:
         load_score_fn(cfg.reward)
@@ -38,7 +38,7 @@ def check_prompts(cfg: Config) -> None:
 def _prompt_lengths(tokenizer, rows) -> list[int]:
     """Token count of each row's prompt (chat template applied), each distinct prompt tokenized once: the
     synthetic training set cycles ~1,400 problems through 20,000 rows."""
-    from async_dapo.data import encode_prompt
+    from async_dapo.data.rows import encode_prompt
 
     known: dict[tuple, int] = {}
     lengths = []

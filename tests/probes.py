@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from async_dapo.rollout import RolloutWorker, gather_all
+from async_dapo.rollout.actor import RolloutWorker, gather_all
 
 
 class ProbedRolloutWorker(RolloutWorker):

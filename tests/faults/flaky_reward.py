@@ -6,7 +6,7 @@ groups); the draws come from Python's ``random``, which each reward worker proce
 import os
 import random
 
-from async_dapo.reward import dapo_math_score
+from async_dapo.data.reward import dapo_math_score
 
 FRACTION = float(os.environ.get("ASYNC_DAPO_TEST_FAIL_FRACTION", "0.05"))
 

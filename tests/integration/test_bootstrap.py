@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from async_dapo.bootstrap import EOS, bootstrap
-from async_dapo.data import encode_prompt
+from async_dapo.data.rows import encode_prompt
 from async_dapo.config import load_config
-from async_dapo.data import synthetic_rows
+from async_dapo.data.rows import synthetic_rows
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,7 @@ def test_default_model_has_partial_accuracy(tiny_model, cpu_config):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_dapo.bootstrap import CHECK_TOKENS, greedy_accuracy
-    from async_dapo.data import synthetic_distinct_rows
+    from async_dapo.data.rows import synthetic_distinct_rows
 
     rep = bootstrap(cpu_config)
     assert rep.cached and Path(rep.path).resolve() == (REPO / "models" / "tiny_cpu").resolve(), rep.path

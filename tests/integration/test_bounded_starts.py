@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 JOIN = """
 import sys
 from async_dapo.config import load_config
-from async_dapo.placement import connect_ray
-from async_dapo.supervise import WaitExpired
+from async_dapo.fleet.placement import connect_ray
+from async_dapo.waits import WaitExpired
 cfg = load_config(None, ["placement.ray_address=127.0.0.9:6399", "placement.start_timeout_s=3"])
 try:
     connect_ray(cfg)
@@ -49,9 +49,9 @@ def test_eval_engine_start_is_bounded(tiny_model):
 
 PLACE = """
 import logging, os, sys
-from async_dapo import placement
+from async_dapo.fleet import placement
 from async_dapo.config import load_config
-from async_dapo.supervise import RunFailed
+from async_dapo.waits import RunFailed
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 placement.REPORT_EVERY_S = 2.0  # the one-minute report, sooner
 over = os.cpu_count() + 1  # one engine more than this machine has CPUs, one CPU each

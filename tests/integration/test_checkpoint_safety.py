@@ -4,7 +4,7 @@ weights or optimizer: a pickled rank state, and DCP's own pickles (the metadata,
 non-tensor entry in the .distcp).
 
 Each payload writes a marker file: before the rank state became JSON, load_checkpoint unpickled
-extra_rank0.pt with weights_only=False, and until async_dapo.safe_dcp it loaded DCP's files with torch's
+extra_rank0.pt with weights_only=False, and until async_dapo.checkpoint.safe_dcp it loaded DCP's files with torch's
 own reader and planner, which unpickle the metadata and the non-tensor entries unrestricted; the marker
 appeared."""
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from async_dapo.config import load_config
-from async_dapo.rank_state import CheckpointError
-from async_dapo.weight_sync import free_port
+from async_dapo.checkpoint.rank_state import CheckpointError
+from async_dapo.weights.sync import free_port
 from tests.conftest import CPU_CONFIG
 from tests.integration.test_learner import make_groups
 
@@ -38,7 +38,7 @@ class RunsCode:
 
 @pytest.fixture(scope="module")
 def worker(tiny_model):
-    from async_dapo.learner import LearnerWorker
+    from async_dapo.learner.rank import LearnerWorker
 
     cfg = load_config(CPU_CONFIG, [
         f"model.path={tiny_model}", "algorithm.train_batch_groups=4", "learner.mini_batch_groups=2",
@@ -138,7 +138,7 @@ def plant_lr_entry(hostile, marker) -> None:
 @pytest.mark.parametrize("planted", [".metadata", "__0.metadata", "__0_0.distcp"])
 def test_a_dcp_file_that_runs_code_is_refused_unrun_and_nothing_is_touched(worker, checkpoint, tmp_path, planted):
     """torch's own dcp.load would unpickle each of these unrestricted (docs/reliability.md, "What a checkpoint
-    directory is trusted with"); async_dapo.safe_dcp refuses them, naming the file."""
+    directory is trusted with"); async_dapo.checkpoint.safe_dcp refuses them, naming the file."""
     path, saved = checkpoint
     hostile = tmp_path / "step_1"
     shutil.copytree(path, hostile)

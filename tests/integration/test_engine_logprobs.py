@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from async_dapo.config import dump_config
-from async_dapo.data import encode_prompt, synthetic_rows
+from async_dapo.data.rows import encode_prompt, synthetic_rows
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration

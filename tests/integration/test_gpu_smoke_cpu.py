@@ -38,9 +38,9 @@ def test_learner_imports_without_ray_zmq_sglang():
                     raise ImportError(f"blocked import of {{name}} from:\\n" + "".join(traceback.format_stack()))
                 return None
         sys.meta_path.insert(0, Block())
-        import async_dapo.learner
-        from async_dapo.learner import LearnerWorker, sglang_name
-        from async_dapo.weight_sync import open_update_group, plan_buckets
+        import async_dapo.learner.rank
+        from async_dapo.learner.rank import LearnerWorker, sglang_name
+        from async_dapo.weights.sync import open_update_group, plan_buckets
         from async_dapo.config import load_config
         from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
         runpy.run_path("tools/gpu/gpu_smoke.py", run_name="not_main")

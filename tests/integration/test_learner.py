@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from async_dapo.config import load_config
-from async_dapo.learner import LearnerWorker
-from async_dapo.weight_sync import free_port
-from async_dapo.wire import Group, Sample
+from async_dapo.learner.rank import LearnerWorker
+from async_dapo.weights.sync import free_port
+from async_dapo.stream.wire import Group, Sample
 from tests.conftest import CPU_CONFIG, REPO
 
 pytestmark = pytest.mark.integration
@@ -74,7 +74,7 @@ class Float64Learner(LearnerWorker):
 
 
 def start_learners(ray, cfg, world: int, worker_class=None):
-    from async_dapo.learner import learner_actor_class
+    from async_dapo.learner.rank import learner_actor_class
 
     port = free_port()
     cls = learner_actor_class(cfg, worker_class or LearnerWorker)
@@ -160,7 +160,7 @@ def test_push_sender_failure_unblocks_every_rank_and_raises(ray_cluster, cfg):
     ranks = start_learners(ray, small, 2)
     port = free_port()
     opened = ranks[0].open_weight_group.remote("127.0.0.1", port, 2, "leaving")
-    peer = ("from async_dapo.weight_sync import open_update_group; import os; "
+    peer = ("from async_dapo.weights.sync import open_update_group; import os; "
             f"open_update_group('127.0.0.1', {port}, 2, 'leaving', 'gloo', 60, rank=1); os._exit(0)")
     subprocess.run([sys.executable, "-c", peer], check=True, timeout=120)  # joins, then dies
     ray.get(opened, timeout=60)
@@ -181,11 +181,11 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from async_dapo.data import encode_prompt
+    from async_dapo.data.rows import encode_prompt
     from async_dapo.config import dump_config
-    from async_dapo.data import train_rows
-    from async_dapo.weight_sync import WEIGHT_GROUP
-    from async_dapo.rollout import rollout_actor_class
+    from async_dapo.data.rows import train_rows
+    from async_dapo.weights.sync import WEIGHT_GROUP
+    from async_dapo.rollout.actor import rollout_actor_class
     from tests.probes import ProbedRolloutWorker
 
     ray = ray_cluster
@@ -248,7 +248,7 @@ def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model,
 def test_the_batch_is_serialized_once_whatever_the_number_of_ranks(ray_cluster, cfg, monkeypatch):
     """Placed.put + on_learners: the driver pickles each group once (into Ray's object store), not once per
     learner rank, and both ranks train on it. Also: perf/pad_ratio's inputs."""
-    from async_dapo.placement import Placed
+    from async_dapo.fleet.placement import Placed
 
     pickled = []
 
@@ -282,7 +282,7 @@ def test_warmup_counts_training_steps_not_updates(ray_cluster, cfg):
 RECEIVER = """
 import json, sys, torch, torch.distributed as dist
 from safetensors.torch import save_file
-from async_dapo.weight_sync import open_update_group
+from async_dapo.weights.sync import open_update_group
 port, plan, out = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 pg = open_update_group("127.0.0.1", port, 2, "two_ranks", "gloo", 60, rank=1)
 got = {}
@@ -307,8 +307,8 @@ def test_two_rank_push_sends_the_snapshot_while_the_next_step_trains(ray_cluster
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from async_dapo.weight_sync import sglang_name
-    from async_dapo.weight_sync import plan_buckets
+    from async_dapo.weights.sync import sglang_name
+    from async_dapo.weights.sync import plan_buckets
 
     small = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(update={"bucket_mb": 1})})
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)

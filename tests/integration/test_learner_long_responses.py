@@ -2,7 +2,7 @@
 40-200 tokens with known advantages: each response's log-probability moves in its advantage's direction, by
 the amount a plain reference update computes.
 
-The reference is written out here from the definitions, independently of async_dapo.batching and loss: an
+The reference is written out here from the definitions, independently of async_dapo.learner.batching and loss: an
 unsharded transformers copy of the same weights, the on-policy token-level loss
 -(1/N) * sum_i A_i * sum_t log p(y_it) over the N response tokens of the mini-batch (the DAPO loss at ratio 1,
 where clipping and the importance weight are inactive), clip_grad_norm_ at learner.grad_clip and one AdamW
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from async_dapo.config import load_config
-from async_dapo.weight_sync import free_port
-from async_dapo.wire import Group, Sample
+from async_dapo.weights.sync import free_port
+from async_dapo.stream.wire import Group, Sample
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -107,8 +107,8 @@ def reference_update(cfg, model, rows, advantages) -> None:
 def test_one_update_moves_each_long_response_by_the_reference_amount(cfg):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from async_dapo.batching import plan_step
-    from async_dapo.learner import LearnerWorker
+    from async_dapo.learner.batching import plan_step
+    from async_dapo.learner.rank import LearnerWorker
 
     reference = reference_model(cfg)
     groups, rows, advantages = make_batch(reference, reference.config.vocab_size)

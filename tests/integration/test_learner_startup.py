@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from async_dapo.weight_sync import free_port
+from async_dapo.weights.sync import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -43,8 +43,8 @@ def reset_peak_rss() -> int:
 
 def _rank(rank: int, world: int, port: int, model_path: str, out) -> None:
     from async_dapo.config import load_config
-    from async_dapo.learner import LearnerWorker
-    from async_dapo.weight_sync import sglang_name
+    from async_dapo.learner.rank import LearnerWorker
+    from async_dapo.weights.sync import sglang_name
 
     torch.set_num_threads(1)
     cfg = load_config(None, ["model.bootstrap=null", f"model.path={model_path}", "logging.tensorboard=false"])

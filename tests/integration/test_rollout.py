@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from async_dapo.data import encode_prompt
+from async_dapo.data.rows import encode_prompt
 from async_dapo.config import load_config
-from async_dapo.data import train_rows
-from async_dapo.weight_sync import broadcast_bucket, free_port, open_update_group, plan_buckets
+from async_dapo.data.rows import train_rows
+from async_dapo.weights.sync import broadcast_bucket, free_port, open_update_group, plan_buckets
 from tests.conftest import CPU_CONFIG
 
 pytestmark = pytest.mark.integration
@@ -48,8 +48,8 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def system(cfg, ray_cluster):
-    from async_dapo.replay_queue import replay_actor_class
-    from async_dapo.rollout import rollout_actor_class
+    from async_dapo.replay.queue import replay_actor_class
+    from async_dapo.rollout.actor import rollout_actor_class
     from tests.probes import ProbedRolloutWorker
 
     ray = ray_cluster

@@ -54,7 +54,7 @@ def test_calibrate_quick(tmp_path):
     whose figures are the ones its measurements and the config imply (tests/unit/test_calibrate_fit.py checks
     the fits themselves against synthetic engines and learners of known coefficients)."""
     from async_dapo.config import load_config
-    from async_dapo.planner import Shape, load_profile, predict
+    from async_dapo.planning import Shape, load_profile, predict
 
     out = tmp_path / "tiny.yaml"
     log = _run(["tools/bench/calibrate.py", "--config", "configs/tiny_cpu.yaml", "--model", "models/tiny_cpu",
@@ -86,7 +86,7 @@ def _assert_calibration_follows_its_measurements(profile, log: str, cfg) -> None
 
     from transformers import AutoTokenizer
 
-    from async_dapo.data import encode_prompt, train_rows
+    from async_dapo.data.rows import encode_prompt, train_rows
 
     r, e = cfg.rollout, profile.engine
     # the warm-start lengths: 16 prompts x n real samples, within the response budget

@@ -73,7 +73,7 @@ _COMMANDS = {"status": _status, "reset_peak": _reset_peak, "drain": _drain}
 
 
 def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
-    from async_dapo.transport import GroupReceiver
+    from async_dapo.stream.transport import GroupReceiver
 
     with GroupReceiver(**kwargs) as rx:
         conn.send({"address": rx.address, "rcvhwm": rx.rcvhwm, "hard_cap_bytes": rx.hard_cap_bytes,

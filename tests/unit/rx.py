@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from async_dapo.transport import GroupReceiver
-from async_dapo.wire import Group
+from async_dapo.stream.transport import GroupReceiver
+from async_dapo.stream.wire import Group
 
 
 def recv(receiver: GroupReceiver, timeout_ms: int | None = None) -> Group | None:

@@ -1,4 +1,4 @@
-"""Tests for async_dapo.batching: hand-computed advantages and alignment, packing/split properties,
+"""Tests for async_dapo.learner.batching: hand-computed advantages and alignment, packing/split properties,
 and the global-denominator contract (summed micro-batch losses == one full-batch loss).
 
 Tiny tensors only; hypothesis runs ~50 examples per property (2-core CI).
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_dapo.batching import (
+from async_dapo.learner.batching import (
     MicroBatch,
     TrainSample,
     collate,
@@ -27,8 +27,8 @@ from async_dapo.batching import (
     valid_seq_count,
     valid_token_count,
 )
-from async_dapo.loss import policy_loss
-from async_dapo.wire import Group, Sample
+from async_dapo.learner.loss import policy_loss
+from async_dapo.stream.wire import Group, Sample
 
 PAD = 0
 FEW = settings(max_examples=50, deadline=None)

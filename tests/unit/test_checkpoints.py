@@ -1,6 +1,6 @@
-"""The run directory on disk (async_dapo.checkpoints) and the phase clock: no Ray, the file logic only."""
+"""The run directory on disk (async_dapo.checkpoint.run_dir) and the phase clock: no Ray, the file logic only."""
 
-from async_dapo.checkpoints import archive_previous_run
+from async_dapo.checkpoint.run_dir import archive_previous_run
 
 
 def test_fresh_run_moves_an_earlier_run_aside_and_keeps_it(tmp_path):
@@ -62,7 +62,7 @@ def test_resume_never_picks_a_checkpoint_without_its_metadata(tmp_path):
 
     import pytest
 
-    from async_dapo.checkpoints import resume_target
+    from async_dapo.checkpoint.run_dir import resume_target
 
     root = tmp_path / "run" / "checkpoints"
     for step, meta in ((2, True), (4, True), (6, False)):  # step 6: the run died while writing it
@@ -96,7 +96,7 @@ def test_rewind_keeps_exactly_the_rows_up_to_the_checkpoint(tmp_path):
 def test_resuming_an_earlier_checkpoint_discards_the_later_branch_and_prune_counts_complete_only(tmp_path):
     import json
 
-    from async_dapo.checkpoints import discard_later, prune, resume_target
+    from async_dapo.checkpoint.run_dir import discard_later, prune, resume_target
 
     root = tmp_path / "run" / "checkpoints"
     for step in (2, 4, 6):
@@ -134,7 +134,7 @@ def test_phase_clock_nests_without_double_counting(monkeypatch):
 def test_one_resume_rule_names_the_run_directory_and_the_checkpoint(tmp_path):
     import json
 
-    from async_dapo.checkpoints import owning_run, resume_target
+    from async_dapo.checkpoint.run_dir import owning_run, resume_target
     from async_dapo.cli import train_run_dir
     from async_dapo.config import load_config
 
@@ -153,7 +153,7 @@ def test_one_resume_rule_names_the_run_directory_and_the_checkpoint(tmp_path):
 def test_a_checkpoint_is_complete_only_once_committed_and_latest_follows_it(tmp_path):
     import json
 
-    from async_dapo.checkpoints import RunDir, begin, commit, complete, latest_complete, read_meta, read_replay_state
+    from async_dapo.checkpoint.run_dir import RunDir, begin, commit, complete, latest_complete, read_meta, read_replay_state
 
     run = RunDir(tmp_path / "run")
     for step in (2, 4, 6):
@@ -173,7 +173,7 @@ def test_a_checkpoint_is_complete_only_once_committed_and_latest_follows_it(tmp_
 def test_rewinding_to_a_step_trims_both_logs_and_sets_later_checkpoints_aside(tmp_path):
     import json
 
-    from async_dapo.checkpoints import RunDir, commit, last_checkpoint, rewind_to
+    from async_dapo.checkpoint.run_dir import RunDir, commit, last_checkpoint, rewind_to
 
     run = RunDir(tmp_path / "run")
     for name in ("metrics.jsonl", "prompts.jsonl"):
@@ -193,8 +193,8 @@ def test_rewinding_to_a_step_trims_both_logs_and_sets_later_checkpoints_aside(tm
 def test_recorded_batches_round_trip_through_the_wire_encoding(tmp_path):
     import numpy as np
 
-    from async_dapo.checkpoints import RunDir
-    from async_dapo.wire import Group, Sample, read_groups, write_groups
+    from async_dapo.checkpoint.run_dir import RunDir
+    from async_dapo.stream.wire import Group, Sample, read_groups, write_groups
 
     sample = Sample(response_ids=np.array([3, 4], dtype=np.int32), logprobs=np.array([-0.5, -0.25], dtype=np.float32),
                     versions=np.array([1, 2], dtype=np.int32), reward=1.0, score=1.0, acc=True, truncated=False,
@@ -216,8 +216,8 @@ def test_a_checkpoints_json_files_are_read_only_as_small_regular_files(tmp_path)
 
     import pytest
 
-    from async_dapo import checkpoints
-    from async_dapo.rank_state import CheckpointError, read
+    from async_dapo.checkpoint import run_dir as checkpoints
+    from async_dapo.checkpoint.rank_state import CheckpointError, read
 
     ckpt = tmp_path / "checkpoints" / "step_2"
     ckpt.mkdir(parents=True)

@@ -140,7 +140,7 @@ def test_aime_shaped_validation_file_gives_all_30_problems(tmp_path):
     """verl's AIME-2024 parquet repeats each of its 30 problems 32 times: with val_prompts = 30 the run must
     validate all 30 distinct problems (deduplicated at load, then n = val_n samples each), not the first 30
     rows (one problem)."""
-    from async_dapo.data import synthetic_rows, val_rows, write_rows
+    from async_dapo.data.rows import synthetic_rows, val_rows, write_rows
 
     problems = synthetic_rows("val", 30, levels=[3], heldout_fraction=0.5, seed=0)
     path = tmp_path / "aime.parquet"

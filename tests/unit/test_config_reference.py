@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from async_dapo import config_reference
+from async_dapo.config import reference as config_reference
 from async_dapo.cli import main
 from async_dapo.config import CROSS_FIELD_RULES, Config, load_config
-from async_dapo.config_reference import keys, reference, sections
+from async_dapo.config.reference import keys, reference, sections
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,11 +6,11 @@ import logging
 import pytest
 
 from async_dapo.config import load_config
-from async_dapo.data import (
+from async_dapo.data.rows import (
     DatasetError, LEVELS, Message, RewardSpec, fit_prompt_lengths, load_rows, source_name, synthetic_distinct_rows,
     synthetic_problems, synthetic_response, synthetic_rows, val_rows, write_rows,
 )
-from async_dapo.reward import dapo_math_score
+from async_dapo.data.reward import dapo_math_score
 
 DAPO_ROW = {  # the shape of a DAPO-Math-17k row as users have it
     "data_source": "math_dapo",
@@ -147,7 +147,7 @@ def test_file_val_rows_drop_repeated_prompts(tmp_path, caplog):
     rows = [base[0], base[1], base[0], base[2], base[1], base[0], other_role]  # verl-style repeats
     path = tmp_path / "val.jsonl"
     write_rows(rows, path)
-    with caplog.at_level(logging.INFO, logger="async_dapo.data"):
+    with caplog.at_level(logging.INFO, logger="async_dapo.data.rows"):
         got = val_rows(_val_cfg(f"data.val={path}", "logging.val_prompts=100"))
     assert got == [base[0], base[1], base[2], other_role]  # first occurrence wins; the role is part of the prompt
     assert f"{path}: removed 3 duplicate prompt rows of 7 (4 distinct)" in caplog.text
@@ -156,7 +156,7 @@ def test_file_val_rows_drop_repeated_prompts(tmp_path, caplog):
 
 
 def test_cursor_epochs_are_permutations_and_resume_exactly():
-    from async_dapo.data import PromptCursor
+    from async_dapo.data.rows import PromptCursor
 
     cur = PromptCursor(5, seed=1)
     first = cur.take(7)  # crosses into epoch 1
@@ -176,7 +176,7 @@ def test_cursor_epochs_are_permutations_and_resume_exactly():
 
 
 def test_cursor_retires_a_prompt_after_its_solved_groups_and_skips_all_its_rows():
-    from async_dapo.data import PromptCursor
+    from async_dapo.data.rows import PromptCursor
 
     # 6 rows of 3 prompts (A at rows 0 and 3, B at 1 and 4, C at 2 and 5), as a dataset repeating problems.
     keys = [0, 1, 2, 0, 1, 2]
@@ -202,7 +202,7 @@ def test_cursor_retires_a_prompt_after_its_solved_groups_and_skips_all_its_rows(
 
 
 def test_cursor_without_retirement_never_retires():
-    from async_dapo.data import PromptCursor
+    from async_dapo.data.rows import PromptCursor
 
     cur = PromptCursor(3, seed=0)
     assert [cur.solved(0) for _ in range(5)] == [False] * 5
@@ -210,14 +210,14 @@ def test_cursor_without_retirement_never_retires():
 
 
 def test_prompt_ids_are_equal_for_equal_prompts():
-    from async_dapo.data import prompt_ids
+    from async_dapo.data.rows import prompt_ids
 
     rows = synthetic_rows("train", 6, levels=[1], heldout_fraction=0.3, seed=0)
     assert prompt_ids(rows + rows[:2]) == [0, 1, 2, 3, 4, 5, 0, 1]
 
 
 def test_cursor_rejects_foreign_state():
-    from async_dapo.data import PromptCursor
+    from async_dapo.data.rows import PromptCursor
 
     with pytest.raises(ValueError, match="another dataset"):
         PromptCursor(5, seed=2).load_state_dict(PromptCursor(6, seed=2).state_dict())
@@ -271,7 +271,7 @@ def test_source_name():
 
 # ------------------------------------------------------------------------------------- walk task
 def test_walk_rows_lengths_follow_the_lognormal_and_the_answer_is_the_rest_of_the_cycle():
-    from async_dapo.data import WALK_SOURCE, WALK_SYLLABLES, walk_rows
+    from async_dapo.data.rows import WALK_SOURCE, WALK_SYLLABLES, walk_rows
 
     assert len(WALK_SYLLABLES) == len(set(WALK_SYLLABLES)) == 200
     rows = walk_rows("train", 4000, median=25, sigma=0.8, heldout_fraction=0.3, seed=0)
@@ -290,7 +290,7 @@ def test_walk_rows_lengths_follow_the_lognormal_and_the_answer_is_the_rest_of_th
 
 
 def test_walk_splits_are_disjoint_and_validation_rows_distinct():
-    from async_dapo.data import walk_rows
+    from async_dapo.data.rows import walk_rows
 
     train = {r.prompt[0].content for r in walk_rows("train", 3000, median=25, sigma=0.8, heldout_fraction=0.3, seed=0)}
     val = walk_rows("val", 1000, median=25, sigma=0.8, heldout_fraction=0.3, seed=0, distinct=True)
@@ -301,7 +301,7 @@ def test_walk_splits_are_disjoint_and_validation_rows_distinct():
 
 
 def test_walk_response_is_the_reference_answer():
-    from async_dapo.data import _is_heldout, synthetic_response, walk_rows
+    from async_dapo.data.rows import _is_heldout, synthetic_response, walk_rows
 
     split = "val" if _is_heldout("Walk from woo.", 0.3) else "train"  # the 3-step problem
     row = walk_rows(split, 1, median=3, sigma=0.0, heldout_fraction=0.3, seed=0)[0]

@@ -77,9 +77,9 @@ def test_resolve_device_on_a_real_gpu():
 
 def test_engine_sleeps_when_idle_on_cpu_only_unless_configured(monkeypatch):
     # A busy-polling scheduler takes a core from the learner on a 2-core machine (docs/training.md).
-    from async_dapo import engine
+    from async_dapo.rollout import engine
     from async_dapo.config import EngineConfig
-    from async_dapo.engine import engine_kwargs
+    from async_dapo.rollout.engine import engine_kwargs
 
     monkeypatch.setattr(engine, "resolve_device", lambda d: d)  # no GPU here: test the choice, not the device
 
@@ -104,7 +104,7 @@ def test_gpu_index_follows_ray_only_when_ray_leaves_cuda_visible_devices(monkeyp
 
 
 def test_engine_starts_on_its_first_assigned_gpu_when_ray_does_not_set_visibility(monkeypatch):
-    from async_dapo import engine
+    from async_dapo.rollout import engine
     from async_dapo.config import load_config
 
     ec = load_config(None, ["rollout.engine.device=cuda", "placement.engine_gpus=1"]).rollout.engine
@@ -123,8 +123,8 @@ def test_a_cpu_only_driver_can_declare_gpu_actors(monkeypatch):
     import torch
 
     from async_dapo.config import load_config
-    from async_dapo.learner import learner_actor_class
-    from async_dapo.rollout import rollout_actor_class
+    from async_dapo.learner.rank import learner_actor_class
+    from async_dapo.rollout.actor import rollout_actor_class
     from tests.conftest import REPO
 
     def no_gpu_question(*_a, **_k):

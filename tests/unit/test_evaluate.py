@@ -2,11 +2,11 @@
 
 import pytest
 
-from async_dapo.data import Message, PromptRow, RewardSpec
-from async_dapo.evaluate import merge_parts, split_rows
+from async_dapo.data.rows import Message, PromptRow, RewardSpec
+from async_dapo.rollout.evaluate import merge_parts, split_rows
 from tests.unit.val_scores import prompt_scores
-from async_dapo.evaluate import val_metrics as _val_metrics
-from async_dapo.reward import RewardResult
+from async_dapo.rollout.evaluate import val_metrics as _val_metrics
+from async_dapo.data.reward import RewardResult
 
 
 def val_metrics(texts, rows):
@@ -103,7 +103,7 @@ def test_validation_scores_with_the_runs_reward_function():
 
 def test_validation_uses_verls_reward_by_default_and_the_runs_reward_section():
     from async_dapo.config import RewardConfig
-    from async_dapo.reward import load_score_fn
+    from async_dapo.data.reward import load_score_fn
 
     texts, rows = [["so \\boxed{7}", "Answer: 7"]], [_row("7", q="a")]
     assert prompt_scores(texts, rows) == [(0.5, 1.0, 1.0)]  # verl's math_dapo: no Answer line -> wrong

@@ -10,11 +10,13 @@ import json
 import pytest
 import ray
 
-from async_dapo import supervise
-from async_dapo.checkpoints import RunDir
+from async_dapo import waits
+from async_dapo.fleet import supervise
+from async_dapo.checkpoint.run_dir import RunDir
 from async_dapo.config import load_config
-from async_dapo.placement import check_fits
-from async_dapo.supervise import EngineSupervisor, RunFailed, scale_target
+from async_dapo.fleet.placement import check_fits
+from async_dapo.fleet.supervise import EngineSupervisor, scale_target
+from async_dapo.waits import RunFailed
 
 
 class Ref:
@@ -49,7 +51,7 @@ class Engine:
 
 
 class Placed:
-    """What the supervisor uses of async_dapo.placement.Placed, recording what it was asked to do."""
+    """What the supervisor uses of async_dapo.fleet.placement.Placed, recording what it was asked to do."""
 
     def __init__(self, cfg, engines):
         self.cfg, self.engines, self.starting, self.engine_pgs = cfg, dict(engines), {}, {}
@@ -383,7 +385,7 @@ def test_an_engine_that_fails_during_a_rebuild_is_taken_out_and_the_rebuild_retr
         calls["n"] += 1
         if calls["n"] == 1:  # the rebuild with the replacement: it died right after it came up
             placed.spawned[1].health_ref = _dead()
-            raise supervise.ActorDied("engines joining weights_1: rollout actor 1 died (gone)")
+            raise waits.ActorDied("engines joining weights_1: rollout actor 1 died (gone)")
         placed.log.append(("group", sorted(placed.engines)))
 
     placed.rebuild_weight_group = rebuild_fails_once
@@ -457,7 +459,7 @@ def _forming(monkeypatch, tmp_path=None):
 
 def test_the_loop_never_waits_for_a_group_to_form_and_pushes_the_weights_current_once_formed(fake_ray, monkeypatch,
                                                                                               tmp_path):
-    from async_dapo.checkpoints import write_scale_request
+    from async_dapo.checkpoint.run_dir import write_scale_request
 
     clock, sup, placed, learner, jobs = _forming(monkeypatch, tmp_path)
     pushes = len(learner.pushes)
@@ -485,7 +487,7 @@ def test_a_group_that_cannot_form_names_the_hung_engine_which_is_replaced(fake_r
     sup.poll(2)
 
     def hung():
-        raise supervise.EnginesFailed("engines joining async_dapo_weights_2", {1: "did not answer in 30 s (hung)"})
+        raise waits.EnginesFailed("engines joining async_dapo_weights_2", {1: "did not answer in 30 s (hung)"})
 
     jobs[0].fn = hung
     jobs[0].finish()
@@ -516,7 +518,7 @@ def test_a_joiner_whose_push_failed_never_serves_and_is_replaced(fake_ray, monke
     clock, sup, placed, learner = _replacement_up(monkeypatch, tmp_path)
     sup.poll(2)  # regroup with the replacement, push started
     placed.spawned[1].health_ref = _dead()  # it died under its first push
-    learner.error = supervise.WaitExpired("weight push: learner rank 0 failed: broadcast timed out")
+    learner.error = waits.WaitExpired("weight push: learner rank 0 failed: broadcast timed out")
     sup.poll(3)
     assert ("start", [1]) not in placed.log and list(placed.engines) == [0] and placed.joining == set()
     assert sup.restarts == 2 and set(sup.starting) == {1} and learner.pushes[-1] == (3, [0])  # regrouped at once
@@ -598,7 +600,7 @@ def test_a_scale_json_that_cannot_be_read_is_refused_once_and_requests_are_new_b
     import os
     import threading
 
-    from async_dapo.checkpoints import write_scale_request
+    from async_dapo.checkpoint.run_dir import write_scale_request
 
     Clock(monkeypatch)
     cfg = load_config(None, ["placement.num_engines=1", "placement.max_engines=3"])

@@ -9,7 +9,7 @@ import pytest
 
 from async_dapo.cli import main
 from async_dapo.config import config_from_mapping, load_config
-from async_dapo.from_verl import SET_BY_HAND, arith, convert, parse_overrides, script_overrides
+from async_dapo.config.from_verl import SET_BY_HAND, arith, convert, parse_overrides, script_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,9 +3,9 @@ rule that the sharded start-up and the push's gather rely on."""
 
 import torch
 
-from async_dapo.batching import MicroBatch, PlannedMiniBatch
-from async_dapo.learner import pad_counts, warmup_factor
-from async_dapo.shards import padded_rows, shard_rows, snapshot, unpad
+from async_dapo.learner.batching import MicroBatch, PlannedMiniBatch
+from async_dapo.learner.rank import pad_counts, warmup_factor
+from async_dapo.weights.shards import padded_rows, shard_rows, snapshot, unpad
 
 
 def test_warmup_counts_training_steps_from_zero_like_verl():

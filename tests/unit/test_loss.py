@@ -1,4 +1,4 @@
-"""Tests for async_dapo.loss with hand-computed numbers (arithmetic in the comments).
+"""Tests for async_dapo.learner.loss with hand-computed numbers (arithmetic in the comments).
 
 float64 throughout so that equalities are exact up to ~1e-12; tensors are tiny (2-core CI).
 """
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_dapo.loss import (
+from async_dapo.learner.loss import (
     aggregate_loss,
     apply_overlong_filter,
     entropy_and_token_prob,

@@ -18,19 +18,19 @@ import pytest
 import torch
 
 import async_dapo
-from async_dapo import learner as learner_module
-from async_dapo.batching import MicroBatch
+from async_dapo.learner import rank as learner_module
+from async_dapo.learner.batching import MicroBatch
 from async_dapo.config import load_config
-from async_dapo.data import Message, PromptRow, RewardSpec
-from async_dapo.evaluate import merge_parts, split_rows
+from async_dapo.data.rows import Message, PromptRow, RewardSpec
+from async_dapo.rollout.evaluate import merge_parts, split_rows
 from tests.unit.val_scores import prompt_scores
-from async_dapo.learner import LearnerWorker
-from async_dapo.loss import policy_loss
+from async_dapo.learner.rank import LearnerWorker
+from async_dapo.learner.loss import policy_loss
 from async_dapo.metrics import (
     _LEARNER_TAGS, RENAMED_TAGS, PhaseClock, fleet_metrics, progress_line, step_metrics, upgrade_row,
 )
-from async_dapo.replay_queue import ReplayQueue
-from async_dapo.wire import Group, Sample
+from async_dapo.replay.queue import ReplayQueue
+from async_dapo.stream.wire import Group, Sample
 
 PKG = Path(async_dapo.__file__).resolve().parent
 DOC = PKG.parent / "docs" / "metrics.md"
@@ -177,7 +177,7 @@ def val_tags() -> set[str]:
 
 def time_tags() -> set[str]:
     # every phase the package names: clock.phase("x") blocks and @timed("x") methods
-    phases = {p for f in PKG.glob("*.py") for p in re.findall(r'(?:\.phase|@timed)\("(\w+)"\)', f.read_text())}
+    phases = {p for f in PKG.rglob("*.py") for p in re.findall(r'(?:\.phase|@timed)\("(\w+)"\)', f.read_text())}
     clock = PhaseClock()
     for name in phases:
         with clock.phase(name):

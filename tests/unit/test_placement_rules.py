@@ -4,8 +4,8 @@ one line saying what to set (the load-time rules were checked for nnodes)."""
 import pytest
 
 from async_dapo.config import load_config
-from async_dapo.placement import check_nodes
-from async_dapo.supervise import RunFailed
+from async_dapo.fleet.placement import check_nodes
+from async_dapo.waits import RunFailed
 
 
 def test_a_placement_on_more_nodes_than_nnodes_stops_the_run(monkeypatch):
@@ -48,8 +48,8 @@ def test_a_dead_actor_behind_a_single_call_is_named(monkeypatch):
     replay queue), found by the actor id in Ray's error, not "actor died" alone."""
     import ray
 
-    from async_dapo.placement import Placed
-    from async_dapo.supervise import ActorDied
+    from async_dapo.fleet.placement import Placed
+    from async_dapo.waits import ActorDied
 
     placed = Placed(load_config(None), pg=None, replay=_Handle("aa01"), engines={0: _Handle("bb01"), 1: _Handle("bb02")},
                     learners=[_Handle("cc01"), _Handle("cc02")])

@@ -1,4 +1,4 @@
-"""The planner (async_dapo/planner.py): hand-computed step times, the staleness bound, the update modes'
+"""The planner (async_dapo/planning/): hand-computed step times, the staleness bound, the update modes'
 costs, dynamic sampling, determinism, profile errors, validation against a table, the search and the CLI."""
 
 import csv
@@ -7,9 +7,9 @@ import math
 import pytest
 import yaml
 
-from async_dapo import planner as pl
+from async_dapo import planning as pl
 from async_dapo.cli import main
-from async_dapo.planner import Shape, predict, profile_from_dict
+from async_dapo.planning import Shape, predict, profile_from_dict
 
 BASE = {
     "name": "hand", "hardware": "none: hand-made figures",
@@ -280,7 +280,7 @@ def test_the_run_reports_predicted_against_measured_step_time(tmp_path):
 
 def test_validate_with_measured_keep_rates_uses_each_rows_own(tmp_path):
     """The diagnostic replaces the profile's keep rate by the row's: halving it must slow a generation-bound plan."""
-    from async_dapo.planner import Shape, profile_from_dict, validate
+    from async_dapo.planning import Shape, profile_from_dict, validate
 
     prof = profile_from_dict({
         "name": "t", "hardware": "-",

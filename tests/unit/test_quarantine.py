@@ -7,8 +7,8 @@ import asyncio
 import logging
 
 from async_dapo.config import load_config
-from async_dapo.data import PromptCursor
-from async_dapo.replay_queue import ReplayQueue
+from async_dapo.data.rows import PromptCursor
+from async_dapo.replay.queue import ReplayQueue
 
 
 def _cfg(*extra):
@@ -51,7 +51,7 @@ def test_a_row_that_fails_scoring_k_times_is_quarantined_once_and_not_reissued(c
         finally:
             await svc.close()
 
-    with caplog.at_level(logging.ERROR, logger="async_dapo.replay_queue"):
+    with caplog.at_level(logging.ERROR, logger="async_dapo.replay.queue"):
         seen, later, stats, state = asyncio.run(scenario())
     bad = seen[0]
     assert seen == [bad] * 3  # a given-back prompt is re-issued first: the same row three times

@@ -19,8 +19,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # The queue actor and its policy; the wire format and zmq transport the queue receives with.
-QUEUE_MODULES = ("async_dapo.replay_queue", "async_dapo.replay")
-TRANSPORT_MODULES = ("async_dapo.transport", "async_dapo.wire")
+QUEUE_MODULES = ("async_dapo.replay.queue", "async_dapo.replay.policy")
+TRANSPORT_MODULES = ("async_dapo.stream.transport", "async_dapo.stream.wire")
 
 _PROBE = r"""
 import importlib, json, sys
@@ -55,7 +55,7 @@ print(json.dumps({"results": results, "torch_in_modules": sorted(m for m in sys.
 @pytest.fixture(scope="module")
 def probe() -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    leaves_first = ("async_dapo.wire", "async_dapo.transport", "async_dapo.replay", "async_dapo.replay_queue")
+    leaves_first = ("async_dapo.stream.wire", "async_dapo.stream.transport", "async_dapo.replay.policy", "async_dapo.replay.queue")
     assert sorted(leaves_first) == sorted(QUEUE_MODULES + TRANSPORT_MODULES)
     proc = subprocess.run([sys.executable, "-c", _PROBE, *leaves_first], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The learner's per-rank resume state (async_dapo.rank_state): JSON that round-trips the RNG states, schedule
+"""The learner's per-rank resume state (async_dapo.checkpoint.rank_state): JSON that round-trips the RNG states, schedule
 and counters exactly, and a loader that refuses, naming the file, anything else — above all a pickle, whose
 unpickling would run code (the payload here writes a marker file; it must never appear)."""
 
@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from async_dapo import rank_state
-from async_dapo.rank_state import CheckpointError
+from async_dapo.checkpoint import rank_state
+from async_dapo.checkpoint.rank_state import CheckpointError
 
 
 class RunsCode:

@@ -1,4 +1,4 @@
-"""Tests for async_dapo.replay: hand-computed admission numbers, drops by reason, FIFO hand-out,
+"""Tests for async_dapo.replay.policy: hand-computed admission numbers, drops by reason, FIFO hand-out,
 and a hypothesis state machine checking the staleness guarantee and the admission bound under
 random interleavings (the arithmetic is in the comments)."""
 
@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from async_dapo.replay import (
+from async_dapo.replay.policy import (
     ACCEPTED,
     DROPPED_ALL_CORRECT,
     DROPPED_ALL_WRONG,
@@ -345,7 +345,7 @@ def test_acc_metric_refuses_shaped_rewards(bad: tuple[float, ...]) -> None:
 def test_wire_group_exposes_the_metric_values():
     import numpy as np
 
-    from async_dapo.wire import Group, Sample
+    from async_dapo.stream.wire import Group, Sample
 
     def sample(reward: float, score: float, acc: bool) -> Sample:
         return Sample(response_ids=np.array([5, 6], np.int32), logprobs=np.array([-0.1, -0.2], np.float32),
@@ -378,7 +378,7 @@ def test_replay_policy_needs_no_torch():
     import ast
     import inspect
 
-    import async_dapo.replay as replay
+    from async_dapo.replay import policy as replay
 
     imported: set[str] = set()
     for node in ast.walk(ast.parse(inspect.getsource(replay))):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from async_dapo.config import load_config
-from async_dapo.replay_queue import ReplayQueue
-from async_dapo.transport import GroupSender
-from async_dapo.wire import Group, Sample
+from async_dapo.replay.queue import ReplayQueue
+from async_dapo.stream.transport import GroupSender
+from async_dapo.stream.wire import Group, Sample
 
 
 def _group(ticket, accs, version=0):

@@ -1,4 +1,4 @@
-"""Tests for async_dapo.reward: verl math_dapo semantics and the soft overlong penalty.
+"""Tests for async_dapo.data.reward: verl math_dapo semantics and the soft overlong penalty.
 
 Tricky cases (every default-mode and strict-box expected value below was checked against verl's
 ``verl/utils/reward_score/math_dapo.py`` ``compute_score``; ``boxed_fallback`` is this project's
@@ -44,7 +44,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_dapo.config import RewardConfig
-from async_dapo.reward import (
+from async_dapo.data.reward import (
     INVALID_PRED,
     RewardResult,
     UserScoreFn,
@@ -289,7 +289,7 @@ def test_bad_user_function_fails_where_the_config_is_checked(tmp_path) -> None:
 def test_scorers_run_in_a_spawned_worker(tmp_path) -> None:
     builtin = load_score_fn(RewardConfig(boxed_fallback="exact"))
     user = load_score_fn(RewardConfig(function=f"{_user_file(tmp_path)}:compute_score"))
-    module = load_score_fn(RewardConfig(function="async_dapo.reward:builtin_score"))
+    module = load_score_fn(RewardConfig(function="async_dapo.data.reward:builtin_score"))
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         assert pool.submit(os.getpid).result() != os.getpid()
         assert pool.submit(builtin, "d", "so \\boxed{42}", "42", {}).result() == RewardResult(1.0, True, "42")
@@ -317,7 +317,7 @@ def test_reward_module_does_not_import_torch() -> None:
     import ast
     import inspect
 
-    import async_dapo.reward as reward
+    from async_dapo.data import reward
 
     imported: set[str] = set()
     for node in ast.walk(ast.parse(inspect.getsource(reward))):
@@ -402,8 +402,8 @@ def test_overlong_penalty_is_monotone_and_bounded(max_len: int, data, factor: fl
 
 
 def test_walk_score_wants_the_whole_sequence() -> None:
-    from async_dapo.data import WALK_SOURCE
-    from async_dapo.reward import builtin_score, walk_score
+    from async_dapo.data.rows import WALK_SOURCE
+    from async_dapo.data.reward import builtin_score, walk_score
 
     truth = "voo woo xoo zoo"
     assert walk_score("voo woo xoo zoo", truth) == RewardResult(1.0, True, "zoo")

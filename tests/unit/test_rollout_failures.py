@@ -11,10 +11,10 @@ import time
 import pytest
 
 from async_dapo.config import load_config
-from async_dapo.data import synthetic_rows
-from async_dapo.rollout import EngineSession, GroupFailed, RolloutWorker, failure_reason, fit_prompt, gather_all
-from async_dapo.scoring import ScoringFailed
-from async_dapo.wire import OversizedMessage
+from async_dapo.data.rows import synthetic_rows
+from async_dapo.rollout.actor import EngineSession, GroupFailed, RolloutWorker, failure_reason, fit_prompt, gather_all
+from async_dapo.data.scoring import ScoringFailed
+from async_dapo.stream.wire import OversizedMessage
 
 
 class FakeTM:
@@ -330,7 +330,7 @@ def test_the_producers_queue_calls_are_bounded(stuck, answers):
 def test_an_unanswered_abandon_is_logged_and_the_ticket_left_to_expire(caplog):
     s = _session(["hang"], *BOUNDED, "rollout.request_timeout_s=0.2")
     s.queue = StuckQueue(("register_producer", "admit"))
-    with caplog.at_level("ERROR", logger="async_dapo.rollout"):
+    with caplog.at_level("ERROR", logger="async_dapo.rollout.actor"):
         asyncio.run(s._emit("g-1", 0, 0, 0))
     assert s.queue.calls == ["abandon"] and s.stats.failed_groups == 1
     assert any("abandon g-1: no answer from the replay queue in 1 s" in r.getMessage() for r in caplog.records)

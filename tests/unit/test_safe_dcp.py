@@ -1,4 +1,4 @@
-"""async_dapo.safe_dcp: a DCP checkpoint (written by torch's own dcp.save, one process) loads back exactly, and a
+"""async_dapo.checkpoint.safe_dcp: a DCP checkpoint (written by torch's own dcp.save, one process) loads back exactly, and a
 file crafted to run code when unpickled — the metadata, its per-rank fallback, or a non-tensor entry — is
 refused naming the file, without running it (the payload writes a marker file) and before any tensor of the
 target state dict is overwritten. So are metadata that would make DCP read outside the checkpoint directory
@@ -20,8 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, BytesStorageMetadata
 
-from async_dapo import safe_dcp
-from async_dapo.rank_state import CheckpointError
+from async_dapo.checkpoint import safe_dcp
+from async_dapo.checkpoint.rank_state import CheckpointError
 from tests.unit.test_rank_state import RunsCode
 
 

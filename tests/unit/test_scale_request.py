@@ -1,4 +1,4 @@
-"""RUN_DIR/scale.json, the run's control file (async_dapo.checkpoints): read without ever blocking or raising
+"""RUN_DIR/scale.json, the run's control file (async_dapo.checkpoint.run_dir): read without ever blocking or raising
 anything but ScaleRefused, told apart by content and number (not mtime), numbered and written by concurrent
 `async-dapo scale` calls without a shared number or a torn file. Real files, FIFOs and devices; no Ray."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from async_dapo import cli
-from async_dapo.checkpoints import (SCALE_MAX_BYTES, RunDir, ScaleRefused, ScaleRequest, ScaleWatch,
+from async_dapo.checkpoint.run_dir import (SCALE_MAX_BYTES, RunDir, ScaleRefused, ScaleRequest, ScaleWatch,
                                     read_scale_request, write_scale_request)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ def test_a_writer_waits_a_bounded_time_for_the_lock(tmp_path):
 _WRITER = """
 import sys
 from pathlib import Path
-from async_dapo.checkpoints import RunDir, write_scale_request
+from async_dapo.checkpoint.run_dir import RunDir, write_scale_request
 run = RunDir(Path(sys.argv[1]))
 for i in range(int(sys.argv[2])):
     print(write_scale_request(run, {"engines": 1 + i % 2, "writer": sys.argv[3]}).seq, flush=True)

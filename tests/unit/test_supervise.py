@@ -5,7 +5,8 @@ the last checkpoint)."""
 import pytest
 
 from async_dapo.config import load_config
-from async_dapo.supervise import EngineSupervisor, RunFailed
+from async_dapo.fleet.supervise import EngineSupervisor
+from async_dapo.waits import RunFailed
 
 
 class _Placed:

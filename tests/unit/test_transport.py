@@ -1,4 +1,4 @@
-"""Tests for async_dapo.transport over real zmq sockets on 127.0.0.1.
+"""Tests for async_dapo.stream.transport over real zmq sockets on 127.0.0.1.
 
 Every socket is closed in a fixture's ``finally`` (or a ``with``), so a failing test leaves no
 bound port behind. Timeouts are short: each test runs well under 2 s.
@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from async_dapo.config import load_config
-from async_dapo.transport import (
+from async_dapo.stream.transport import (
     CURVE_OVERHEAD,
     TAG_BYTES,
     GroupReceiver,
@@ -25,7 +25,7 @@ from async_dapo.transport import (
     new_secret,
     producer_credentials,
 )
-from async_dapo.wire import Group, OversizedMessage, Sample, decode_group, encode_group
+from async_dapo.stream.wire import Group, OversizedMessage, Sample, decode_group, encode_group
 
 from .rx import recv
 

@@ -23,8 +23,8 @@ from async_dapo.config import (
     receive_hard_cap,
     receive_hwm,
 )
-from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret, producer_credentials
-from async_dapo.wire import Group, Sample
+from async_dapo.stream.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret, producer_credentials
+from async_dapo.stream.wire import Group, Sample
 
 from .memprobe import MIB, ReceiverProcess
 from .rx import recv
@@ -302,7 +302,7 @@ def test_default_budget_grows_to_fit_many_peers():
 
 
 def test_replay_queue_stats_count_refused_peers():
-    from async_dapo.replay_queue import ReplayQueue
+    from async_dapo.replay.queue import ReplayQueue
 
     async def main() -> tuple[int, dict]:
         svc = ReplayQueue(load_config(None))  # num_engines 1 -> max_peers 2

@@ -15,9 +15,9 @@ import time
 import numpy as np
 import zmq
 
-from async_dapo import transport
-from async_dapo.transport import GroupReceiver, GroupSender, new_secret, producer_credentials
-from async_dapo.wire import Group, Sample, encode_group
+from async_dapo.stream import transport
+from async_dapo.stream.transport import GroupReceiver, GroupSender, new_secret, producer_credentials
+from async_dapo.stream.wire import Group, Sample, encode_group
 
 from .rx import recv
 

@@ -37,8 +37,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_dapo.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret, producer_credentials
-from async_dapo.wire import (
+from async_dapo.stream.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret, producer_credentials
+from async_dapo.stream.wire import (
     SCHEMA,
     SCHEMA_VERSION,
     Group,

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from async_dapo.config import load_config
-from async_dapo.data import Message, PromptRow, RewardSpec
+from async_dapo.data.rows import Message, PromptRow, RewardSpec
 from async_dapo.orchestrator import Run
-from async_dapo.supervise import ActorDied
+from async_dapo.waits import ActorDied
 
 
 def _row(truth: str, q: str) -> PromptRow:

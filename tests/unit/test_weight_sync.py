@@ -1,4 +1,4 @@
-"""async_dapo.weight_sync's three interfaces without Ray or an engine: the learner's sender (one gloo rank:
+"""async_dapo.weights.sync's three interfaces without Ray or an engine: the learner's sender (one gloo rank:
 snapshot, background send, the explicit "engines loaded version v" callback, failures reported once by
 wait()), the placement-side group lifecycle (ranks, names, generations, the dtype rule) with stand-in
 actor handles, and the engine-side load sequence against a stand-in tokenizer manager. The real push to
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from async_dapo.config import load_config
-from async_dapo.supervise import EnginesFailed, RunFailed
-from async_dapo.weight_sync import (
+from async_dapo.waits import EnginesFailed, RunFailed
+from async_dapo.weights.sync import (
     ActorCallback, Bucket, WeightGroup, WeightSender, WeightUpdateError, group_name, load, plan_buckets,
     sglang_name,
 )
@@ -22,7 +22,7 @@ from async_dapo.weight_sync import (
 
 @pytest.fixture(scope="module")
 def one_rank():
-    from async_dapo.weight_sync import free_port
+    from async_dapo.weights.sync import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))

@@ -1,4 +1,4 @@
-"""Tests for async_dapo.wire: exact round trips and one named rejection per kind of malformation.
+"""Tests for async_dapo.stream.wire: exact round trips and one named rejection per kind of malformation.
 
 Malformed messages are built by unpacking a valid encoding into plain msgpack objects, breaking
 one thing, and repacking, so each test differs from a valid message in exactly one place.
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_dapo.wire import (
+from async_dapo.stream.wire import (
     LOGPROB_TOLERANCE,
     SCHEMA,
     SCHEMA_VERSION,

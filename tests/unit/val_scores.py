@@ -1,8 +1,8 @@
 """Validation scores of plain texts, for tests: score each sample in-process, then the production
 aggregation (``evaluate.result_scores``; in a run the rollout actors score in reward worker processes)."""
 
-from async_dapo.evaluate import result_scores
-from async_dapo.reward import builtin_score
+from async_dapo.rollout.evaluate import result_scores
+from async_dapo.data.reward import builtin_score
 
 
 def prompt_scores(texts, rows, score_fn=builtin_score):

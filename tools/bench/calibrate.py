@@ -1,5 +1,5 @@
-"""Calibrate the planner (async_dapo/planner.py) on this machine: measure each role ALONE and write a planner
-profile YAML (the schema of ``async_dapo.planner.Profile``, validated before it is written).
+"""Calibrate the planner (async_dapo/planning/) on this machine: measure each role ALONE and write a planner
+profile YAML (the schema of ``async_dapo.planning.Profile``, validated before it is written).
 
     python tools/bench/calibrate.py --config configs/tiny_cpu.yaml [--set k=v ...] [--model models/tiny_cpu]
                                     --out runs/calibrate/<name>.yaml [--quick] [--phases engine actor ...]
@@ -10,7 +10,7 @@ admission by version; the learner re-trains old batches).
 
 Phases (one Ray instance per placement, ``placement.place(cfg)`` as tools/bench/throughput.py does):
 
-a. ``engine``: a bare in-process ``sglang.Engine`` (async_dapo.engine.start_engine: the rollout actor's own
+a. ``engine``: a bare in-process ``sglang.Engine`` (async_dapo.rollout.engine.start_engine: the rollout actor's own
    engine arguments) on the config's training prompts (data.encode_prompt), fixed-length generations
    (``ignore_eos``) of L tokens for n sequences; each (n, L) also with ``max_new_tokens = 1`` (the prefill).
    Per-iteration seconds = (wall(n, L) - wall(n, 1)) / (L - 1), fitted by least squares to
@@ -78,8 +78,8 @@ def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from async_dapo.data import encode_prompt, train_rows
-    from async_dapo.engine import start_engine
+    from async_dapo.data.rows import encode_prompt, train_rows
+    from async_dapo.rollout.engine import start_engine
 
     r, ec = cfg.rollout, cfg.rollout.engine
     window_seqs = r.max_inflight_prompts * r.n
@@ -140,7 +140,7 @@ def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
     part = {"max_running_seqs": max_running, **decode, "prefill_per_token_s": slope}
     rms = float(np.sqrt(np.mean((resid / np.array([p[3] for p in points])) ** 2)))
     src = {
-        "decode": f"{when}: bare in-process sglang.Engine (async_dapo.engine.start_engine, the rollout actor's "
+        "decode": f"{when}: bare in-process sglang.Engine (async_dapo.rollout.engine.start_engine, the rollout actor's "
                   f"engine args), ignore_eos, config prompts ({ptok:.1f} tokens mean); (n, L) = {pts}; per-iteration "
                   f"= (wall(n,L) - wall(n,1)) / (L-1), lstsq a + b·n + c·K, K = n·(prompt + L/2), negatives "
                   f"clipped; rms relative residual {100 * rms:.1f} %",
@@ -207,7 +207,7 @@ def sample_lengths(engine, tok, rows, cfg, prompts: int) -> list[int]:
     """Response lengths of the warm start: ``prompts`` training rows (drawn as training draws them) x n samples,
     the run's sampling parameters, up to the response budget; all samples, whatever their reward (the actor
     phase only sees the groups dynamic sampling kept)."""
-    from async_dapo.data import encode_prompt
+    from async_dapo.data.rows import encode_prompt
 
     r = cfg.rollout
     ids = [encode_prompt(tok, rows[i]) for i in range(prompts) for _ in range(r.n)]
@@ -268,7 +268,7 @@ def workload_part(cfg, gen: dict) -> tuple[dict, dict]:
 
 
 def shape_of(cfg, **changes):
-    from async_dapo.planner import Shape
+    from async_dapo.planning import Shape
 
     return Shape.from_config(cfg).with_(**changes)
 
@@ -276,7 +276,7 @@ def shape_of(cfg, **changes):
 def engine_only_s_per_batch(cfg, engine: dict, workload: dict) -> float:
     """The planner's seconds per batch with per_group_s = 0, a (nearly) free learner and no push: what the
     engine model alone predicts for phase b's generation."""
-    from async_dapo.planner import predict, profile_from_dict
+    from async_dapo.planning import predict, profile_from_dict
 
     prof = profile_from_dict({
         "name": "engine-only", "hardware": "-", "engine": {**engine, "per_group_s": 0.0},
@@ -387,7 +387,7 @@ def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, 
     engines stay idle until e (no rollout can be paused once started)."""
     import ray
 
-    from async_dapo.placement import place
+    from async_dapo.fleet.placement import place
 
     out = {"sources": {}}
     warmup, count = (1, 2) if quick else (3, 8)
@@ -418,7 +418,7 @@ def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, 
                 f"{_now()}: phase b measured {gen['g_s']:.4f} s/batch ({per_batch_groups:.1f} groups received per "
                 f"batch, {count} batches after {warmup}, window {cfg.rollout.max_inflight_prompts} prompts) minus "
                 f"the planner's {pred:.4f} s/batch for the same shape with per_group_s = 0, a free learner and no "
-                f"push (async_dapo.planner.predict, 14 steps, 4 warm-up), / groups per batch; clipped at 0")
+                f"push (async_dapo.planning.predict, 14 steps, 4 warm-up), / groups per batch; clipped at 0")
             log(f"actor: planner engine-only {pred:.3f} s/batch -> per_group_s {out['per_group_s']:.5f}")
     need = phases & {"learner", "push", "contention"}
     if not need:
@@ -490,7 +490,7 @@ def main() -> None:
     phases = set(args.phases)
     base = None
     if args.base is not None:
-        from async_dapo.planner import load_profile
+        from async_dapo.planning import load_profile
 
         base = load_profile(args.base).model_dump()
     elif phases & {"engine", "actor", "learner"} != {"engine", "actor", "learner"}:
@@ -536,7 +536,7 @@ def main() -> None:
         sources.setdefault("per_group_s", f"from {args.base}" if base else "not measured: 0")
     if got.get("push") is not None:
         sources["push_bytes"] = f"parameter bytes in the engine dtype: {nbytes:.0f}; pushed bytes {prof['push']['bytes']:.0f}"
-    from async_dapo.planner import predict, profile_from_dict, Shape
+    from async_dapo.planning import predict, profile_from_dict, Shape
 
     profile = profile_from_dict(prof, str(args.out))  # validate before writing
     for part in ("engine", "learner", "push", "contention"):

@@ -94,7 +94,7 @@ class GroupMaker:
     def samples(self, version: int) -> tuple:
         import numpy as np
 
-        from async_dapo.wire import Sample
+        from async_dapo.stream.wire import Sample
 
         if version not in self._samples:
             for old in [v for v in self._samples if v < version - 4]:
@@ -107,7 +107,7 @@ class GroupMaker:
         return self._samples[version]
 
     def group(self, group_id: str, epoch: int, index: int, version: int, rank: int):
-        from async_dapo.wire import Group
+        from async_dapo.stream.wire import Group
 
         return Group(group_id=group_id, prompt_index=index, epoch=epoch, engine_rank=rank, prompt_ids=self.prompt,
                      ground_truth="42", data_source="bench", samples=self.samples(version), created_at=time.time(),
@@ -116,8 +116,8 @@ class GroupMaker:
 
 def encoded_bytes(shape: dict) -> int:
     """Bytes on the wire for one group: the msgpack encoding + the 32-byte HMAC tag."""
-    from async_dapo.transport import TAG_BYTES
-    from async_dapo.wire import encode_group
+    from async_dapo.stream.transport import TAG_BYTES
+    from async_dapo.stream.wire import encode_group
 
     return len(encode_group(GroupMaker(shape, 0).group("size-0-0", 0, 0, 0, 0))) + TAG_BYTES
 
@@ -168,7 +168,7 @@ class ProducerHost:
         import uuid
         from concurrent.futures import ThreadPoolExecutor
 
-        from async_dapo.transport import GroupSender
+        from async_dapo.stream.transport import GroupSender
 
         incarnation = uuid.uuid4().hex
         await queue.register_producer.remote(rank, incarnation)
@@ -225,7 +225,7 @@ def cpu_seconds(proc) -> float:
 def queue_class(cfg, max_concurrency: int | None):
     """The run's queue actor class (``replay_actor_class``), or the same class and options with another
     ``max_concurrency`` (to measure a change of it without editing the package)."""
-    from async_dapo.replay_queue import ReplayQueue, replay_actor_class
+    from async_dapo.replay.queue import ReplayQueue, replay_actor_class
 
     if max_concurrency is None:
         return replay_actor_class(cfg)
@@ -370,7 +370,7 @@ def wakeup_cost(parked_counts: list[int], batch_groups: int, eta: int, chunks: i
     import asyncio
     import statistics
 
-    from async_dapo.replay_queue import ReplayQueue
+    from async_dapo.replay.queue import ReplayQueue
 
     async def spin(q, n: int, spins: int, notify: bool) -> float:
         t0 = time.perf_counter()

@@ -24,8 +24,8 @@ def main() -> None:
     cfg = common.load_model(args)
     from transformers import AutoTokenizer
 
-    from async_dapo.data import encode_prompt, synthetic_rows
-    from async_dapo.engine import start_engine
+    from async_dapo.data.rows import encode_prompt, synthetic_rows
+    from async_dapo.rollout.engine import start_engine
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     rows = synthetic_rows("val", args.prompts, levels=[1, 2, 3, 4], heldout_fraction=0.1, seed=0)

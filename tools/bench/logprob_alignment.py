@@ -22,8 +22,8 @@ BAND = 32
 
 def sample(cfg, prompts: list[list[int]], n: int) -> list[dict]:
     """n completions of each prompt from the bare engine, with their token log-probs."""
-    from async_dapo.engine import start_engine
-    from async_dapo.rollout import sampling_params
+    from async_dapo.rollout.engine import start_engine
+    from async_dapo.rollout.actor import sampling_params
 
     engine = start_engine(cfg.rollout.engine, cfg.model.path)
     try:
@@ -38,7 +38,7 @@ def differences(cfg, prompts: list[list[int]], outs: list[dict], n: int) -> dict
     import torch
     from transformers import AutoModelForCausalLM
 
-    from async_dapo.loss import token_logprobs
+    from async_dapo.learner.loss import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
     bands: dict[int, list[float]] = {}
@@ -62,7 +62,7 @@ def main() -> None:
     cfg = common.load_model(args)
     from transformers import AutoTokenizer
 
-    from async_dapo.data import encode_prompt, train_rows
+    from async_dapo.data.rows import encode_prompt, train_rows
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = [encode_prompt(tok, r) for r in train_rows(cfg)[: args.prompts]]

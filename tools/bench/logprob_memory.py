@@ -1,5 +1,5 @@
 """Peak host memory of the learner's log-prob forward + backward: the old full-vocabulary path versus
-``async_dapo.loss.token_logprobs`` (chunked), each measured in a fresh process.
+``async_dapo.learner.loss.token_logprobs`` (chunked), each measured in a fresh process.
 
     python tools/bench/logprob_memory.py [--shape 4,2048,32768] [--temperature 0.7] [--chunk-tokens 1024]
 
@@ -45,7 +45,7 @@ def child(mode: str, shape: tuple[int, int, int], temperature: float, chunk_toke
     """Run one path in this process and return its peak RSS growth above the allocated logits."""
     import torch
 
-    from async_dapo.loss import token_logprobs
+    from async_dapo.learner.loss import token_logprobs
 
     gen = torch.Generator().manual_seed(0)
     targets = torch.randint(0, shape[-1], shape[:2], generator=gen)

@@ -63,9 +63,9 @@ def synthetic_groups(cfg, tokenizer, vocab_size: int, seed: int, min_response: i
     min_response..max_response_length tokens (the longest ones truncated), half of each group correct."""
     import numpy as np
 
-    from async_dapo.data import encode_prompt
-    from async_dapo.data import train_rows
-    from async_dapo.wire import Group, Sample
+    from async_dapo.data.rows import encode_prompt
+    from async_dapo.data.rows import train_rows
+    from async_dapo.stream.wire import Group, Sample
 
     rng = np.random.default_rng(seed)
     max_len = cfg.rollout.max_response_length
@@ -130,7 +130,7 @@ def raw_gloo(ray, nbytes: int, repeats: int, timeout_s: float) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    from async_dapo.weight_sync import free_port, open_update_group
+    from async_dapo.weights.sync import free_port, open_update_group
 
     env = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     peer = ray.remote(GlooPeer).options(num_cpus=0, runtime_env={"env_vars": env}).remote()
@@ -158,7 +158,7 @@ def flatten_seconds(model_path: Path, dtype: str, repeats: int) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from async_dapo.weight_sync import flatten
+    from async_dapo.weights.sync import flatten
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     params = [p.detach() for p in model.parameters()]
@@ -175,9 +175,9 @@ def run(cfg, steps: int, pushes: int) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from async_dapo.device import engine_dtype, resolve_device
-    from async_dapo.learner import learner_actor_class
-    from async_dapo.rollout import rollout_actor_class
-    from async_dapo.weight_sync import WEIGHT_GROUP, free_port
+    from async_dapo.learner.rank import learner_actor_class
+    from async_dapo.rollout.actor import rollout_actor_class
+    from async_dapo.weights.sync import WEIGHT_GROUP, free_port
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     model_cfg = AutoConfig.from_pretrained(cfg.model.path)

@@ -67,7 +67,7 @@ def parameters(size: str) -> dict:
 
 
 def plan(params: dict, bucket_mb: int):
-    from async_dapo.weight_sync import plan_buckets
+    from async_dapo.weights.sync import plan_buckets
 
     return plan_buckets([(n, t.dtype, tuple(t.shape)) for n, t in params.items()], bucket_mb << 20)
 
@@ -82,7 +82,7 @@ def receiver(rank: int, plans: list[list[int]], timeout_s: float, commands, out)
     import torch
     import torch.distributed as dist
 
-    from async_dapo.weight_sync import close_update_group, open_update_group
+    from async_dapo.weights.sync import close_update_group, open_update_group
 
     torch.set_num_threads(1)
     groups = {}
@@ -111,7 +111,7 @@ def push_once(pg, buckets, params: dict) -> tuple[float, float]:
     import torch
     import torch.distributed as dist
 
-    from async_dapo.weight_sync import flatten
+    from async_dapo.weights.sync import flatten
 
     t0 = time.perf_counter()
     pending = None
@@ -134,7 +134,7 @@ def run(counts: list[int], sizes: list[str], rounds: int, pushes: int, bucket_mb
 
     import torch
 
-    from async_dapo.weight_sync import close_update_group, flatten, free_port, open_update_group
+    from async_dapo.weights.sync import close_update_group, flatten, free_port, open_update_group
 
     torch.set_num_threads(1)
     params = {s: parameters(s) for s in sizes}

@@ -38,8 +38,8 @@ import common  # noqa: E402
 def _prompt_stream(cfg, tok):
     """Prompt token ids in the replay queue's order (its cursor over train_rows), each cut as the actor
     cuts it (``rollout.fit_prompt``)."""
-    from async_dapo.data import PromptCursor, encode_prompt, train_rows
-    from async_dapo.rollout import fit_prompt
+    from async_dapo.data.rows import PromptCursor, encode_prompt, train_rows
+    from async_dapo.rollout.actor import fit_prompt
 
     rows = train_rows(cfg)
     cursor = PromptCursor(len(rows), seed=cfg.data.shuffle_seed)
@@ -58,7 +58,7 @@ async def _bare_loop(engine, prompts, n, params, inflight, warmup_groups, repeat
     warm = asyncio.Event()
 
     async def group(prompt):
-        # One batch request of n, as the actor sends a group (async_dapo.rollout.EngineSession.sample_n).
+        # One batch request of n, as the actor sends a group (async_dapo.rollout.actor.EngineSession.sample_n).
         outs = await engine.async_generate(input_ids=[list(prompt)] * n, sampling_params=dict(params),
                                            return_logprob=True)
         done["groups"] += 1
@@ -102,7 +102,7 @@ async def _bare_loop(engine, prompts, n, params, inflight, warmup_groups, repeat
 
 
 def _bare(cfg, prompts, params, inflight, repeats, window_s):
-    from async_dapo.engine import start_engine
+    from async_dapo.rollout.engine import start_engine
 
     engine = start_engine(cfg.rollout.engine, cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     try:
@@ -116,9 +116,9 @@ def _bare(cfg, prompts, params, inflight, repeats, window_s):
 def _actor(cfg, inflight, repeats, pushes, window_s):
     import ray
 
-    from async_dapo.replay_queue import replay_actor_class
-    from async_dapo.rollout import rollout_actor_class
-    from async_dapo.weight_sync import broadcast_bucket, free_port, open_update_group, plan_buckets
+    from async_dapo.replay.queue import replay_actor_class
+    from async_dapo.rollout.actor import rollout_actor_class
+    from async_dapo.weights.sync import broadcast_bucket, free_port, open_update_group, plan_buckets
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -184,7 +184,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    from async_dapo.rollout import sampling_params
+    from async_dapo.rollout.actor import sampling_params
 
     r = cfg.rollout
     params = sampling_params(cfg)  # the actor's

@@ -134,7 +134,7 @@ def generate_only(cfg, warmup: int, count: int, timeout_s: float) -> tuple[float
     batches (for t). Learners are placed (the run's placement) but never called."""
     import ray
 
-    from async_dapo.placement import place
+    from async_dapo.fleet.placement import place
 
     ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
     placed = None
@@ -153,7 +153,7 @@ def train_only(cfg, batches: list, warmup: int) -> float:
     Each train_step is bounded by placement.call_timeout_s (Placed.on_learners)."""
     import ray
 
-    from async_dapo.placement import place
+    from async_dapo.fleet.placement import place
 
     ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
     placed = None

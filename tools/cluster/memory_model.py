@@ -233,7 +233,7 @@ def mask_row_len(setup: LearnerSetup, tokens: int) -> int:
 
 
 def push_buffers(s: ModelShape, setup: LearnerSetup, rank0: bool = True) -> float:
-    """Gather/broadcast buffers of the push on one rank (async_dapo.weight_sync.WeightSender._gather_and_broadcast).
+    """Gather/broadcast buffers of the push on one rank (async_dapo.weights.sync.WeightSender._gather_and_broadcast).
 
     A bucket holds up to bucket_bytes; a larger tensor gets a bucket of its own (B_max). A multi-tensor
     bucket is gathered into [W, S] and unpad copies it out (2 x bucket while unpadding); a single-tensor
@@ -356,7 +356,7 @@ def engine_terms(s: ModelShape, e: EngineSetup, gpu_bytes: float) -> dict[str, A
 
 # ------------------------------------------------------------------------------------------- start-up
 def startup_bytes(s: ModelShape, world: int, file_bytes: int = 2) -> float:
-    """Peak of one rank's sharded start-up (async_dapo.shards.load_local_shards): its fp32 shard (4 P / W)
+    """Peak of one rank's sharded start-up (async_dapo.weights.shards.load_local_shards): its fp32 shard (4 P / W)
     plus the slice of one checkpoint tensor being copied in (the largest: largest / W x the file's dtype
     bytes). On CUDA the shard is GPU memory and the slice host memory; on CPU both are host memory."""
     return 4 * param_count(s) / world + largest_tensor(s) * file_bytes / world

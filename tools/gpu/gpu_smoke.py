@@ -302,7 +302,7 @@ def make_group(gid: str, length: int, n: int, vocab: int, seed: int):
     random token ids, half correct, behaviour logprobs near a uniform policy's (-log V)."""
     import numpy as np
 
-    from async_dapo.wire import Group, Sample
+    from async_dapo.stream.wire import Group, Sample
 
     rng = np.random.default_rng(seed)
     response = length - PROMPT_LEN
@@ -350,8 +350,8 @@ def make_config(model_dir: Path, device: str, param_dtype: str, preset: dict, ba
 
 
 def new_worker(cfg):
-    from async_dapo.learner import LearnerWorker
-    from async_dapo.weight_sync import free_port
+    from async_dapo.learner.rank import LearnerWorker
+    from async_dapo.weights.sync import free_port
 
     return LearnerWorker(cfg, 0, 1, "127.0.0.1", free_port())
 
@@ -559,7 +559,7 @@ def push_receiver(addr: str, port: int, name: str, backend: str, timeout_s: floa
         import torch.distributed as dist
         from safetensors.torch import load_file
 
-        from async_dapo.weight_sync import close_update_group, open_update_group
+        from async_dapo.weights.sync import close_update_group, open_update_group
 
         torch.set_num_threads(1)
         if device.startswith("cuda"):
@@ -613,8 +613,8 @@ def check_push(report: Report, worker, cfg, device: str, work: Path, watchdog: W
     import torch
     from safetensors.torch import save_file
 
-    from async_dapo.learner import sglang_name
-    from async_dapo.weight_sync import free_port, plan_buckets
+    from async_dapo.learner.rank import sglang_name
+    from async_dapo.weights.sync import free_port, plan_buckets
 
     c = report.check("weight_push")
     dtype = torch.bfloat16
@@ -752,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("gpu_smoke: --device cuda but torch sees no GPU (use --device cpu --tiny)")
             torch.set_num_threads(1 if device == "cpu" else min(8, os.cpu_count() or 1))
             report.data["environment"] = environment(device)
-            import async_dapo.learner  # noqa: F401  (an import failure here fails every check below)
+            import async_dapo.learner.rank  # noqa: F401  (an import failure here fails every check below)
 
         ngpu = torch.cuda.device_count() if device == "cuda" else 0
         backend = "nccl" if ngpu >= 2 else "gloo"

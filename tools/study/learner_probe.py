@@ -1,6 +1,6 @@
 """Probe the learner on a task without the rollout stack: synchronous (on-policy) DAPO steps whose samples come
 from transformers' sampler in this process and whose update is the project's real learner rank
-(``async_dapo.learner.LearnerWorker``, world size 1, FSDP2 over gloo: the run's batching, loss and optimizer).
+(``async_dapo.learner.rank.LearnerWorker``, world size 1, FSDP2 over gloo: the run's batching, loss and optimizer).
 
 There is no engine, queue or staleness, so whatever the policy does over the steps is the learner's doing with
 the config's hyper-parameters (override them with --set). Per step it prints, and writes as JSONL, the batch's
@@ -53,7 +53,7 @@ class Sampler:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from async_dapo.reward import load_score_fn
+        from async_dapo.data.reward import load_score_fn
 
         self.cfg = cfg
         self.tok = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -74,7 +74,7 @@ class Sampler:
         """n scored samples of ``prompt`` as one wire Group, as a rollout actor sends it."""
         import numpy as np
 
-        from async_dapo.wire import Group
+        from async_dapo.stream.wire import Group
 
         responses = self.responses(prompt, n)
         samples = tuple(self.sample(row, resp, lp, version)
@@ -100,8 +100,8 @@ class Sampler:
         """One response scored and shaped as the rollout actor does (score + overlong penalty)."""
         import numpy as np
 
-        from async_dapo.reward import overlong_penalty
-        from async_dapo.wire import Sample
+        from async_dapo.data.reward import overlong_penalty
+        from async_dapo.stream.wire import Sample
 
         r, rw = self.cfg.rollout, self.cfg.reward
         res = self.score(row.data_source, self.tok.decode(response, skip_special_tokens=True), row.ground_truth,
@@ -119,7 +119,7 @@ class Sampler:
         import numpy as np
         import torch
 
-        from async_dapo.loss import token_logprobs
+        from async_dapo.learner.loss import token_logprobs
 
         width = len(prompt) + max(len(x) for x in responses)
         ids = torch.zeros(len(responses), width, dtype=torch.long)
@@ -151,7 +151,7 @@ def response_logprobs(learner, groups) -> list[float]:
     """Each response's summed log-probability under the learner's current weights, in sample order."""
     import torch
 
-    from async_dapo.batching import collate, samples_from_groups
+    from async_dapo.learner.batching import collate, samples_from_groups
 
     samples = samples_from_groups(groups)
     out = []
@@ -164,7 +164,7 @@ def response_logprobs(learner, groups) -> list[float]:
 
 def direction_share(learner, groups, before: list[float], after: list[float]) -> float:
     """Share of the responses with a non-zero advantage whose log-probability moved in its direction."""
-    from async_dapo.batching import samples_from_groups
+    from async_dapo.learner.batching import samples_from_groups
 
     samples = samples_from_groups(groups, scale_by_std=learner.cfg.algorithm.scale_adv_by_std)
     moved = [(a - b) * s.advantage for s, a, b in zip(samples, after, before) if s.advantage != 0]
@@ -179,9 +179,9 @@ class Probe:
     """The loop: a fixed panel of training prompts for accuracy, the rest as the stream of batches."""
 
     def __init__(self, cfg, args):
-        from async_dapo.data import train_rows
-        from async_dapo.learner import LearnerWorker
-        from async_dapo.weight_sync import free_port
+        from async_dapo.data.rows import train_rows
+        from async_dapo.learner.rank import LearnerWorker
+        from async_dapo.weights.sync import free_port
 
         self.cfg, self.args = cfg, args
         self.rows = train_rows(cfg)
@@ -194,7 +194,7 @@ class Probe:
         self._prompts: dict[int, list[int]] = {}
 
     def group(self, index: int, n: int):
-        from async_dapo.data import encode_prompt
+        from async_dapo.data.rows import encode_prompt
 
         if index not in self._prompts:
             self._prompts[index] = encode_prompt(self.sampler.tok, self.rows[index])

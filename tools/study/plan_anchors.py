@@ -1,6 +1,6 @@
 """The planner against published async-vs-sync speedups: each anchor of docs/planning_anchors.md is turned
 into an async Shape and a sync Shape from its published *setup* (never from its published speedup), both are
-predicted with the anchor's profile (async_dapo.planner.predict), and the predicted speedup is compared with
+predicted with the anchor's profile (async_dapo.planning.predict), and the predicted speedup is compared with
 the published one.
 
     python tools/study/plan_anchors.py [--quick] [--no-sweep] [--anchor verl-128 ...] [--steps 60 --warmup 10]
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.p
 import common  # noqa: E402
 
 if TYPE_CHECKING:  # the planner (numpy, pydantic) is imported when a plan runs, not for --help
-    from async_dapo.planner import Profile, Shape
+    from async_dapo.planning import Profile, Shape
 
 REPO = common.REPO
 VERL_PROFILE = REPO / "configs/profiles/verl_fully_async_7b_h20.yaml"
@@ -134,7 +134,7 @@ def rescale_length(p: Profile, model: str, x: float) -> Profile:
 
 def build(a: Anchor, base: Profile, o: dict) -> tuple[Profile, Shape, Profile, Shape]:
     """(async profile, async shape, sync profile, sync shape) of anchor ``a`` under options ``o``."""
-    from async_dapo.planner import Shape
+    from async_dapo.planning import Shape
 
     p = rescale_length(base, a.model, o["median_x"])
     p = tweak(p, learner__per_token_s=p.learner.per_token_s * o["mfu_x"])
@@ -186,7 +186,7 @@ def shape_str(s: Shape) -> str:
 
 
 def evaluate(a: Anchor, base: Profile, o: dict, steps: tuple[int, int, int, int]) -> dict:
-    from async_dapo.planner import predict
+    from async_dapo.planning import predict
 
     ap, ash, sp, ssh = build(a, base, o)
     pa = predict(ap, ash, steps[0], steps[1], sync_baseline=False)
@@ -233,7 +233,7 @@ def main() -> None:
     ap.add_argument("--anchor", action="append", default=None, help="anchor name (repeatable; default all)")
     ap.add_argument("--list", action="store_true", help="print the anchors and exit")
     args = ap.parse_args()
-    from async_dapo.planner import load_profile, markdown
+    from async_dapo.planning import load_profile, markdown
 
     if args.list:
         for a in ANCHORS:

@@ -24,8 +24,8 @@ def avg_at_k(model, tokenizer, rows, cfg, seed: int) -> tuple[float, dict[str, f
     import torch
 
     from async_dapo.bootstrap import complete
-    from async_dapo.evaluate import result_scores, val_metrics
-    from async_dapo.reward import load_score_fn
+    from async_dapo.rollout.evaluate import result_scores, val_metrics
+    from async_dapo.data.reward import load_score_fn
 
     lg = cfg.logging
     torch.manual_seed(seed)
@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from async_dapo.bootstrap import supervised_warm_start, untrained
-    from async_dapo.data import val_rows
+    from async_dapo.data.rows import val_rows
 
     stop = common.bootstrap_model(cfg).sft_steps  # where the warm start stopped (its target, or sft_steps)
     torch.set_num_threads(1)

@@ -1,0 +1,141 @@
+"""The planner's input: a measured hardware profile (one engine's decode and prefill costs, the learner's
+step cost, the push, the contention between them, the workload's lengths and keep rate), read from YAML
+and validated with one error naming the file and the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from async_dapo.config import ConfigError, read_yaml_mapping
+
+
+class ProfileError(ConfigError):
+    """A bad profile (or planner input): one line, ``<file>: <dotted.key>: <problem>``."""
+
+
+
+# ------------------------------------------------------------------------------------------ the profile
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineProfile(_Part):
+    """One rollout engine's measured costs."""
+
+    max_running_seqs: int = Field(..., ge=1, description="Sequences one engine decodes at once (batch / KV "
+                                  "cap); more wait in its queue.")
+    decode_base_s: float = Field(..., ge=0, description="a: fixed seconds of one decode iteration (one token "
+                                 "for every running sequence).")
+    decode_per_seq_s: float = Field(..., ge=0, description="b: seconds added per running sequence.")
+    decode_per_ctx_token_s: float = Field(..., ge=0, description="c: seconds added per token of context held by "
+                                          "the running sequences (attention reads).")
+    prefill_per_token_s: float = Field(..., ge=0, description="Seconds per prompt token prefilled (one prefill "
+                                       "per group: its G samples share the prompt).")
+    per_group_s: float = Field(..., ge=0, description="Host seconds per finished group (detokenize, score, "
+                               "send) during which the engine does not decode.")
+    devices: int = Field(1, ge=1, description="Accelerators one engine occupies (tensor parallel size); "
+                         "recommend() splits total devices by it.")
+
+    @model_validator(mode="after")
+    def _iterations_take_time(self) -> "EngineProfile":
+        if self.decode_base_s + self.decode_per_seq_s <= 0:
+            raise ValueError("decode_base_s + decode_per_seq_s must be > 0: a decode iteration takes time")
+        return self
+
+
+class LearnerProfile(_Part):
+    """The learner's measured step cost."""
+
+    step_base_s: float = Field(..., ge=0, description="Fixed seconds of one training step (optimizer, "
+                               "collectives that do not scale with tokens).")
+    per_token_s: float = Field(..., ge=0, description="Seconds per trained token (prompt + response) per "
+                               "epoch on ONE rank.")
+    scaling_efficiency: float = Field(1.0, gt=0, le=1, description="R ranks run R × this times faster on the "
+                                      "token part.")
+    devices_per_rank: int = Field(1, ge=1, description="Accelerators one learner rank occupies.")
+
+
+class PushProfile(_Part):
+    """One weight push (learner -> every engine)."""
+
+    base_s: float = Field(..., ge=0, description="Fixed seconds of one push at the sender (snapshot, gather, "
+                          "control plane).")
+    bytes: float = Field(..., ge=0, description="Bytes pushed per update.")
+    bandwidth_bytes_per_s: float = Field(..., gt=0, description="Bytes per second of the broadcast.")
+    engine_pause_s: float = Field(..., ge=0, description="Seconds an engine does not decode per update (the "
+                                  "load); inflight mode also re-prefills the running context at "
+                                  "prefill_per_token_s.")
+    learner_stall_s: float = Field(0.0, ge=0, description="Learner seconds lost per push (before it trains on).")
+
+
+class Contention(_Part):
+    """Slowdowns when the roles share hardware (1.0 = separate devices)."""
+
+    engine_slowdown: float = Field(1.0, gt=0, description="Multiplier on engine time while the learner "
+                                   "computes (shared CPU cores).")
+    learner_slowdown: float = Field(1.0, gt=0, description="Multiplier on learner step time while any engine "
+                                    "decodes.")
+
+
+class Lognormal(_Part):
+    median: float = Field(..., gt=0, description="Median response length (tokens).")
+    sigma: float = Field(..., ge=0, description="Standard deviation of ln(length).")
+
+
+class Workload(_Part):
+    """What is generated: prompt length, response lengths, how many groups dynamic sampling keeps."""
+
+    prompt_tokens: float = Field(..., ge=0, description="Mean prompt length (tokens).")
+    response_lengths: list[int] | None = Field(None, min_length=1, description="An empirical sample of "
+                                               "response lengths (resampled); or give lognormal.")
+    lognormal: Lognormal | None = Field(None, description="Parametric response lengths; or give "
+                                        "response_lengths. Lengths are capped at rollout.max_response_length.")
+    keep_rate: float = Field(..., gt=0, le=1, description="Fraction of finished groups dynamic sampling keeps "
+                             "(mixed outcome); 1.0 = off.")
+
+    @model_validator(mode="after")
+    def _one_length_model(self) -> "Workload":
+        if (self.response_lengths is None) == (self.lognormal is None):
+            raise ValueError("give exactly one of response_lengths and lognormal")
+        if self.response_lengths is not None and min(self.response_lengths) < 1:
+            raise ValueError("response_lengths must all be >= 1")
+        return self
+
+
+class Profile(_Part):
+    """A measured hardware + workload profile (YAML; see docs/planning.md)."""
+
+    name: str = Field(..., description="Short name of the profile.")
+    hardware: str = Field(..., description="Free text: the machines the figures were measured on.")
+    sources: dict[str, str] = Field(default_factory=dict, description="figure name -> citation or how it "
+                                    "was measured.")
+    engine: EngineProfile
+    learner: LearnerProfile
+    push: PushProfile
+    contention: Contention = Field(default_factory=Contention)
+    workload: Workload
+
+
+
+def _profile_error(where: str, exc: ValidationError) -> ProfileError:
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return ProfileError(f"{where}: {key}: {msg}{more}" if key else f"{where}: {msg}{more}")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile YAML; ProfileError naming the file and the field on any fault."""
+    return profile_from_dict(read_yaml_mapping(path, "profile", ProfileError), str(path))
+
+
+def profile_from_dict(tree: dict[str, Any], where: str = "profile") -> Profile:
+    try:
+        return Profile.model_validate(tree)
+    except ValidationError as exc:
+        raise _profile_error(where, exc) from None
+

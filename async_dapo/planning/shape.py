@@ -1,0 +1,80 @@
+"""What the planner simulates and what it reports: a run's shape (batch, concurrency, staleness, placement,
+as a Config sets them) and the steady-state figures of one plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+UPDATE_MODES = ("inflight", "drain", "abort")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The run's shape: what a Config says about batch, concurrency, staleness and placement."""
+
+    B: int  # algorithm.train_batch_groups
+    G: int  # rollout.n
+    eta: int  # replay.max_staleness
+    max_inflight_prompts: int  # per rollout actor (engine)
+    update_mode: str = "inflight"
+    max_response_length: int = 1 << 20
+    every_k_steps: int = 1
+    epochs: int = 1
+    num_engines: int = 1
+    learner_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("B", "G", "max_inflight_prompts", "max_response_length", "every_k_steps", "epochs",
+                     "num_engines", "learner_ranks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Shape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eta < 0:
+            raise ValueError(f"Shape.eta must be >= 0, got {self.eta}")
+        if self.update_mode not in UPDATE_MODES:
+            raise ValueError(f"Shape.update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
+
+    @classmethod
+    def from_config(cls, cfg) -> "Shape":
+        return cls(B=cfg.algorithm.train_batch_groups, G=cfg.rollout.n, eta=cfg.replay.max_staleness,
+                   max_inflight_prompts=cfg.rollout.max_inflight_prompts, update_mode=cfg.rollout.update_mode,
+                   max_response_length=cfg.rollout.max_response_length,
+                   every_k_steps=cfg.weight_sync.every_k_steps, epochs=cfg.learner.epochs,
+                   num_engines=cfg.placement.num_engines, learner_ranks=cfg.placement.learner_ranks)
+
+    def with_(self, **changes) -> "Shape":
+        return replace(self, **changes)
+
+    def synchronous(self) -> "Shape":
+        """The same plan at η = 0 (which needs every_k_steps = 1): the baseline of the speedup."""
+        return replace(self, eta=0, every_k_steps=1)
+
+
+
+@dataclass
+class Prediction:
+    """Steady-state figures of one plan (the steps after the warm-up)."""
+
+    steps_per_s: float
+    samples_per_s: float  # trained samples: steps/s · B · G
+    gen_tokens_per_s: float  # every generated token, wasted ones included
+    trained_tokens_per_s: float  # response tokens trained per second (as tools/bench/throughput.py)
+    learner_idle: float  # learner waiting for a batch / wall
+    rollout_idle: float  # engine with no group in flight / wall, mean over engines
+    occupancy: float  # time-weighted running sequences / (max_inflight_prompts · G), mean over engines
+    tail_share: float  # engine decoding with 0 < n < max_inflight_prompts · G / 2 running, / wall
+    staleness_mean: float
+    staleness_max: int
+    staleness_hist: dict[int, int]
+    dropped_stale: int
+    dropped_filtered: int
+    wasted_tokens: int  # tokens generated and thrown away (abort mode)
+    step_s: float
+    push_s: float  # the sender's time per push
+    speedup: float | None = None  # over the same plan at η = 0
+
+    def row(self) -> dict[str, float]:
+        """Flat dict; names as tools/bench/throughput.py's COLUMNS where they exist."""
+        out = {k: v for k, v in vars(self).items() if k != "staleness_hist"}
+        out["speedup"] = float("nan") if self.speedup is None else self.speedup
+        return out
+
