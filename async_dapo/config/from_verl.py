@@ -167,7 +167,7 @@ NO_EQUIVALENT = {
     "actor_rollout_ref.hybrid_engine": "engines and learner ranks run on separate GPUs (no time-sharing)",
     ROLLOUT + "name": "the engines are SGLang",
     ROLLOUT + "gpu_memory_utilization": "vLLM's fraction of the whole GPU; SGLang's rollout.engine.mem_fraction_static "
-                                        "counts weights + KV cache (sized in docs/scaling.md)",
+                                        "counts weights + KV cache (sized in docs/memory.md)",
     ROLLOUT + "enable_chunked_prefill": "SGLang's default", ROLLOUT + "max_num_batched_tokens": "SGLang's default",
     ROLLOUT + "log_prob_": "the learner computes log-probabilities itself",
     ROLLOUT + "val_kwargs.n": "the validation set is deduplicated at load and each problem sampled logging.val_n "
@@ -309,7 +309,7 @@ def _derive(out: Conversion, overrides: Mapping[str, str]) -> None:
 SET_BY_HAND = {
     "learner.total_steps": "verl counts trainer.total_epochs; here a run is counted in steps",
     "learner.micro_batch_tokens": "what fits a learner GPU (python tools/cluster/memory_model.py CONFIG)",
-    "rollout.engine.mem_fraction_static": "SGLang's share of an engine GPU for weights + KV cache (docs/scaling.md)",
+    "rollout.engine.mem_fraction_static": "SGLang's share of an engine GPU for weights + KV cache (docs/memory.md)",
     "rollout.request_timeout_s": "the longest a response may take: long responses need more than the default",
     "replay.ticket_ttl_s": "must exceed rollout.request_timeout_s",
     "weight_sync.bucket_mb": "bytes per broadcast of the weight push",

@@ -32,7 +32,7 @@ class LearnerConfig(Section):
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="Token positions per chunk when the learner turns logits into log-probs and "
         "entropy: its extra memory is 2-4 fp32 chunks (8-16 x this x vocabulary bytes) instead of several fp32 "
-        "copies of a whole micro-batch's logits (async_dapo.learner.loss.token_logprobs; docs/scaling.md).",
+        "copies of a whole micro-batch's logits (async_dapo.learner.loss.token_logprobs; docs/memory.md).",
     )
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype (MixedPrecisionPolicy); master weights are always fp32."

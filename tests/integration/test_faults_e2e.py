@@ -131,8 +131,9 @@ def test_silence_stops_the_run_with_what_it_waited_for(tiny_model, tmp_path):
     never spins silently."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     t0 = time.time()
+    # The shortest silence the config allows here: > health_check_timeout_s + weight_sync.timeout_s (10 + 8).
     done = subprocess.run(_cmd(run_dir, "--set", "learner.total_steps=5", "--set", "transport.max_message_bytes=1024",
-                               "--set", "replay.silence_timeout_s=40"),
+                               "--set", "weight_sync.timeout_s=8", "--set", "replay.silence_timeout_s=20"),
                           cwd=REPO, timeout=600, capture_output=True, text=True)
     lines = [line for line in done.stderr.splitlines() if line.startswith("run failed:")]
     assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]

@@ -5,7 +5,7 @@ share of groups dynamic sampling keeps stay at the warm start's level in every w
 last window's accuracy is not below the first's.
 
 The floors are the shipped warm start's (models/longtail_cpu): with its weights frozen, 10-step windows drew
-an accuracy of 0.20-0.23 and kept 0.54-0.61 of the groups (docs/training.md, "Longer responses"). With the
+an accuracy of 0.20-0.23 and kept 0.54-0.61 of the groups (docs/results/training.md, "Longer responses"). With the
 tiny default's learning rate (6e-4, no warm-up) the first 10 steps fell to 0.107 and 0.39.
 """
 

@@ -1,6 +1,6 @@
-"""End to end through the real stack (SGLang CPU engine, Ray, zmq, FSDP2/gloo, TensorBoard): a few
-asynchronous steps; then a run killed after a checkpoint and resumed with --resume reproduces the next
-step's loss; then a tiny run submitted with `ray job submit` to a local head finishes SUCCEEDED.
+"""End to end through the real stack (SGLang CPU engines, Ray, zmq, FSDP2/gloo, TensorBoard): a few
+asynchronous steps with 2 engines and 2 learner ranks; then a run killed after a checkpoint and resumed with --resume reproduces the next
+step's loss. (A run submitted with tools/cluster/submit.sh is tests/integration/test_multinode.py's.)
 """
 
 import json
@@ -47,36 +47,59 @@ def _steps(run_dir: Path) -> list[dict]:
 
 
 def test_async_run_end_to_end(tiny_model, tmp_path):
+    """eta 1 with 2 engines and 2 learner ranks, to the last step: versions advance, every trained group is
+    within eta and the run really overlapped; a long validation (600 distinct problems x 32 samples, shared
+    by both engines) runs off the critical path; every engine produced trained groups in its share, every
+    engine runs every pushed version; every admitted prompt is accounted for; TensorBoard has verl's tags."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from tests.integration.test_fleet_e2e import TWO_ENGINES, _assert_every_prompt_accounted, \
+        _assert_shares_match_what_each_engine_sent
+    from tests.integration.test_faults_e2e import _assert_prompts_trained_once
+
     run_dir = tmp_path / "run"
-    # A validation of 600 distinct problems x 32 samples (many steps' worth of generation) at steps 0, 2, 4:
+    # A validation of 600 distinct problems x 32 samples (many steps' worth of generation) at steps 0, 3, 6:
     # the learner must not wait for it. (With 8 samples a validation sometimes ended within one step.)
-    subprocess.run(_train_cmd(run_dir, "--set", "learner.total_steps=4", "--set", "logging.val_every_steps=2",
-                              "--set", "logging.val_prompts=600", "--set", "logging.val_n=32"),
+    subprocess.run(_train_cmd(run_dir, "--set", "learner.total_steps=6", "--set", "logging.val_every_steps=3",
+                              "--set", "logging.val_prompts=600", "--set", "logging.val_n=32", *TWO_ENGINES,
+                              "--set", "placement.learner_ranks=2", "--set", "placement.learner_cpus=0.5",
+                              "--set", "learner.mini_batch_groups=8"),
                    check=True, cwd=REPO, timeout=900)
     steps = _steps(run_dir)
-    assert [m["train/version"] for m in steps] == [1.0, 2.0, 3.0, 4.0]  # versions advance
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    vals = {r["step"]: (i, r) for i, r in enumerate(rows) if "val/avg_at_k" in r}
-    trained = {int(r["train/version"]): i for i, r in enumerate(rows) if "train/version" in r}
-    # val_before_train, every 2 steps and the last; one due while the previous still ran is skipped and
-    # counted (this validation takes several steps), the last one is always there
-    skipped = int(steps[-1]["val/skipped"])
-    assert {0, 4} <= set(vals) <= {0, 2, 4} and len(vals) + skipped == 3, (sorted(vals), skipped)
-    # Validation off the critical path: the validation started at step 0 (or 2) was logged only after the
-    # learner had trained the next step, and it reports the policy versions that produced its samples.
-    assert any(trained[s + 1] < i for s, (i, _) in vals.items() if s + 1 in trained), [r.get("step") for r in rows]
-    for s, (_, r) in vals.items():
-        assert s <= r["val/version"] <= r["val/version_max"] and r["val/distinct_prompts"] == 600
+    assert [m["train/version"] for m in steps] == [float(v) for v in range(1, 7)]  # versions advance
+    _assert_validation_off_the_critical_path(run_dir, steps)
     assert all(m["staleness/max"] <= ETA for m in steps)  # every trained group within eta
     assert max(m["staleness/max"] for m in steps) >= 1  # and the run really overlapped
     last = steps[-1]
     assert last["replay/dropped_all_correct"] + last["replay/dropped_all_wrong"] > 0  # drops are counted
+    assert all(m["rollout/engines"] == 2.0 for m in steps)
+    groups = _assert_shares_match_what_each_engine_sent(steps, 16)
+    assert min(groups.values()) >= 0.25 * sum(groups.values())  # admission is shared: neither engine is starved
+    for m in steps[1:]:  # each engine's counters, asked one step earlier: both run every pushed version
+        assert m["rollout/0/version"] == m["rollout/1/version"], m
+        assert m["train/version"] - 2 <= m["rollout/0/version"] <= m["train/version"], m
+    _assert_every_prompt_accounted(run_dir, 6, 16)
+    _assert_prompts_trained_once(run_dir)
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
     missing = set(REQUIRED_TAGS) - set(events.Tags()["scalars"])
     assert not missing, missing
+
+
+def _assert_validation_off_the_critical_path(run_dir: Path, steps: list[dict]) -> None:
+    """val_before_train, every 3 steps and the last; one due while the previous still ran is skipped and
+    counted (this validation takes several steps), the last one is always there. The validation started at
+    step 0 (or 3) was logged only after the learner had trained the next step; each reports the policy
+    versions that produced its samples and merged both engines' shares."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = {r["step"]: (i, r) for i, r in enumerate(rows) if "val/avg_at_k" in r}
+    trained = {int(r["train/version"]): i for i, r in enumerate(rows) if "train/version" in r}
+    skipped = int(steps[-1]["val/skipped"])
+    assert {0, 6} <= set(vals) <= {0, 3, 6} and len(vals) + skipped == 3, (sorted(vals), skipped)
+    assert any(trained[s + 1] < i for s, (i, _) in vals.items() if s + 1 in trained), [r.get("step") for r in rows]
+    for s, (_, r) in vals.items():
+        assert s <= r["val/version"] <= r["val/version_max"] and r["val/distinct_prompts"] == 600
+        assert r["val/engines"] == 2.0
 
 
 def _started_processes(driver: int, run_dir: Path) -> dict[int, str]:
@@ -148,32 +171,3 @@ def test_kill_after_checkpoint_then_resume_gives_same_next_step_loss(tiny_model,
     assert resumed["train/version"] == ckpt + 1
     assert resumed["actor/pg_loss"] == logged[ckpt + 1]["actor/pg_loss"]  # bit-identical next-step loss
     assert resumed["actor/grad_norm"] == logged[ckpt + 1]["actor/grad_norm"]
-
-
-def test_ray_job_submit_to_local_head_succeeds(tiny_model, tmp_path):
-    import re
-
-    from tests.raycluster import LocalCluster
-
-    # One node on its own loopback address, ended by PID (a plain `ray stop` would end every Ray instance here).
-    cluster = LocalCluster(ips=("127.0.0.2",), cpus=2).start()
-    env, dash = cluster.env, cluster.dashboard_url
-    try:
-        job = subprocess.run(
-            [str(REPO / "tools" / "cluster" / "submit.sh"), "--address", dash, "--",
-             "--config", str(CPU_CONFIG), "--set", f"model.path={tiny_model}", "--set", "model.bootstrap=null",
-             "--set", f"logging.run_dir={tmp_path / 'job_run'}", "--set", "learner.total_steps=2",
-             "--set", "logging.val_every_steps=0", *SMALL],
-            env=env, timeout=900, capture_output=True, text=True)
-        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-        job_id = re.search(r"raysubmit_\w+", job.stdout + job.stderr).group(0)
-        # A fresh interpreter: Ray reads RAY_AUTH_MODE at import (the head enables token auth, see submit.sh).
-        probe = ("import sys; from ray.job_submission import JobSubmissionClient as C; "
-                 "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)")
-        status = subprocess.run([sys.executable, "-c", probe, dash, job_id],
-                                env={**env, "RAY_AUTH_MODE": "token"}, timeout=120, capture_output=True, text=True)
-        assert status.stdout.strip() == "SUCCEEDED", status.stdout + status.stderr[-2000:]
-        steps = _steps(tmp_path / "job_run")
-        assert [m["train/version"] for m in steps] == [1.0, 2.0]
-    finally:
-        cluster.stop()  # the node we started, by PID

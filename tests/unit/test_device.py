@@ -76,7 +76,7 @@ def test_resolve_device_on_a_real_gpu():
 
 
 def test_engine_sleeps_when_idle_on_cpu_only_unless_configured(monkeypatch):
-    # A busy-polling scheduler takes a core from the learner on a 2-core machine (docs/training.md).
+    # A busy-polling scheduler takes a core from the learner on a 2-core machine (docs/results/training.md).
     from async_dapo.rollout import engine
     from async_dapo.config import EngineConfig
     from async_dapo.rollout.engine import engine_kwargs

@@ -1,4 +1,4 @@
-"""tools/cluster/memory_model.py: the per-GPU memory model of the learner and the engines (docs/scaling.md).
+"""tools/cluster/memory_model.py: the per-GPU memory model of the learner and the engines (docs/memory.md).
 
 Values are worked out by hand in the comments; the parameter count is checked against a real
 transformers Qwen2ForCausalLM (CPU, tiny)."""

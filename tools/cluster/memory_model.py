@@ -1,4 +1,4 @@
-"""Per-GPU memory model of the FSDP2 learner and the SGLang engines, for a run config (docs/scaling.md).
+"""Per-GPU memory model of the FSDP2 learner and the SGLang engines, for a run config (docs/memory.md).
 
     python tools/cluster/memory_model.py configs/dapo_qwen2.5_32b_16x8.yaml configs/qwen2.5_7b_1x8.yaml
     python tools/cluster/memory_model.py CONFIG --shape Qwen2.5-7B --set learner.micro_batch_tokens=8192

@@ -54,7 +54,7 @@ from common import (  # noqa: E402
 
 # The DAPO study's task: the warm start writes the carry/borrow line for half of its carry/borrow problems
 # (16-17 tokens with EOS, other answers 3-4), so a 15-token budget cuts ~17 % of the first step's responses
-# (measured: docs/results.md): the policy can only score on those problems by learning the short form, and
+# (measured: docs/results/throughput_and_studies.md): the policy can only score on those problems by learning the short form, and
 # how the loss treats cut responses (filtered, punished, or plain -1) decides how fast it does.
 DAPO_TASK = ["data.synthetic.response_style=steps", "rollout.max_response_length=15",
              "reward.overlong_buffer_length=5"]

@@ -1,4 +1,4 @@
-"""The planner against published async-vs-sync speedups: each anchor of docs/planning_anchors.md is turned
+"""The planner against published async-vs-sync speedups: each anchor of docs/results/planning_anchors.md is turned
 into an async Shape and a sync Shape from its published *setup* (never from its published speedup), both are
 predicted with the anchor's profile (async_dapo.planning.predict), and the predicted speedup is compared with
 the published one.
@@ -14,7 +14,7 @@ its sync step 512; the published speedups are total-time ratios for the same 512
 prompt rate (equivalently seconds per 512 prompts) is what matches them. AReaL trains 512 prompts per step in
 both runs and reports hours for the same 1,000 steps, so there the prompt rate equals the step rate ratio.
 
-How each anchor is modelled (the choices are the script's, stated in docs/planning.md "The anchors"):
+How each anchor is modelled (the choices are the script's, stated in docs/results/planning_validation.md "The anchors"):
 * verl async: B = 128 (require_batches 4 × ppo_mini_batch 32), G = 16, every_k_steps = 4
   (trigger_parameter_sync_step), η = (1 + staleness_threshold) · k − 1 = 5 learner steps, so that the
   admission window holds (1 + 0.5) · 512 prompts per version, update mode inflight (partial rollout:
@@ -64,7 +64,7 @@ AREAL_PROFILE = REPO / "configs/profiles/areal_v03_r1distill1.5b_h800.yaml"
 MODELS = {"7b": {"P": 7.62e9, "layers": 28, "hidden": 3584, "max_num_seqs": 1024},
           "1.5b": {"P": 1.78e9, "layers": 28, "hidden": 1536, "max_num_seqs": 10 ** 6}}
 
-# Published speedups, quoted from docs/planning_anchors.md: compared with, never fed to the planner.
+# Published speedups, quoted from docs/results/planning_anchors.md: compared with, never fed to the planner.
 # point = the first column (100 steps for verl); band = min..max over the published columns.
 PUBLISHED = {
     "verl-128": {"point": 2.67, "band": (2.35, 2.67), "quote": "2.67 / 2.65 / 2.67 / 2.35x at 100-400 steps"},
