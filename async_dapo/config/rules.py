@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, TYPE_CHECKING
 
 from async_dapo.config.transport import (
-    RECEIVE_TAG_BYTES, receive_budget, receive_hard_cap, receive_hwm, receive_max_peers, receive_min_budget,
+    receive_budget, receive_hard_cap, receive_hwm, receive_max_peers, receive_min_budget,
 )
 
 if TYPE_CHECKING:
