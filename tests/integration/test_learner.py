@@ -175,6 +175,7 @@ def test_push_sender_failure_unblocks_every_rank_and_raises(ray_cluster, cfg):
     stop(ray, ranks)
 
 
+@pytest.mark.slow  # two engine starts and a learner (about a minute): the longest test of the inner loop otherwise
 def test_push_reaches_sglang_and_hf_export_reloads(ray_cluster, cfg, tiny_model, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
