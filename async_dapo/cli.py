@@ -155,11 +155,11 @@ def _eval(cfg: Config, repeats: int = 1) -> None:
 
     if cfg.model.bootstrap is not None:
         _bootstrap(cfg)
-    with _deadline(cfg.placement.start_timeout_s, "engine start (placement.start_timeout_s)"):
-        worker = RolloutWorker(cfg, 0)
-    rows, k = val_rows(cfg), cfg.logging.val_n
+    rows, k, worker = val_rows(cfg), cfg.logging.val_n, None
     avgs = []
     try:
+        with _deadline(cfg.placement.start_timeout_s, "engine start (placement.start_timeout_s)"):
+            worker = RolloutWorker(cfg, 0)
         for _ in range(repeats):  # the engine's sampler moves on: each pass draws new samples
             t0 = time.perf_counter()
             m = merge_parts([list(range(len(rows)))], [worker.validate(rows, k, val_sampling_params(cfg))], rows)
@@ -169,7 +169,8 @@ def _eval(cfg: Config, repeats: int = 1) -> None:
                      k, m["val/avg_at_k"], k, m["val/pass_at_k"], k, m["val/maj_at_k"], len(rows),
                      m["val/gen_tokens"], m["val/gen_tokens"] / seconds, val_subsets_line(m))
     finally:
-        worker.shutdown()
+        if worker is not None:  # started, even if past its bound
+            worker.shutdown()
     if repeats > 1:
         log.info("avg@%d over %d validations of the same weights: mean %.4f, sd %.4f, range %.4f-%.4f",
                  k, repeats, statistics.mean(avgs), statistics.stdev(avgs), min(avgs), max(avgs))
@@ -280,21 +281,34 @@ def train_run_dir(cfg: Config, resume: Path | None) -> Config:
     return cfg.model_copy(update={"logging": cfg.logging.model_copy(update={"run_dir": owning_run(resume)})})
 
 
+class _Expired(BaseException):
+    """What the SIGALRM handler raises: not an Exception (TimeoutError is an OSError), so that no ``except
+    Exception`` or ``except OSError`` in the code it interrupts (SGLang's reads of its pipes) swallows it."""
+
+
 @contextlib.contextmanager
 def _deadline(seconds: float, what: str):
     """TimeoutError naming ``what`` if the block runs past ``seconds``. SIGALRM, because the SGLang engine must
     start on the main thread (it installs signal handlers), so no other thread can wait for it; its blocking
-    reads of the scheduler's pipes are interrupted by the signal."""
+    reads of the scheduler's pipes are interrupted by the signal. Should the interrupted code still swallow
+    the signal's exception, the block's end raises the TimeoutError all the same."""
+    fired = []
+
     def expired(signum, frame):
-        raise TimeoutError(f"{what}: not ready in {seconds:.0f} s")
+        fired.append(signum)
+        raise _Expired
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
+    except _Expired:
+        raise TimeoutError(f"{what}: not ready in {seconds:.0f} s") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    if fired:
+        raise TimeoutError(f"{what}: not ready in {seconds:.0f} s")
 
 
 def _train(cfg: Config, resume: Path | None) -> int:

@@ -93,3 +93,31 @@ def test_scale_reads_a_run_whose_planner_profile_path_is_relative_to_another_dir
     monkeypatch.chdir(tmp_path)  # configs/profiles/cpu_tiny.yaml does not exist from here
     assert cli.main(["scale", str(run), "--engines", "2"]) == 0
     assert json.loads((run / "scale.json").read_text())["engines"] == 2
+
+
+def test_a_start_past_its_deadline_fails_even_where_the_interrupted_code_catches_exceptions():
+    """eval's engine start: SGLang reads its pipes under ``except Exception``; the deadline's signal must not
+    be swallowed there (seen once: the start then ran on and the run went on past its bound)."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^engine start \(x\): not ready in 0 s$"):
+        with cli._deadline(0.2, "engine start (x)"):
+            try:
+                time.sleep(5)
+            except Exception:  # what SGLang's pipe reads do with an OSError (TimeoutError is one)
+                time.sleep(5)
+    assert time.monotonic() - t0 < 1.0  # the signal's exception went through, at the bound
+
+
+def test_a_swallowed_deadline_still_fails_when_the_block_ends():
+    with pytest.raises(TimeoutError, match="not ready"):
+        with cli._deadline(0.1, "engine start (x)"):
+            try:
+                import time
+
+                time.sleep(1)
+            except BaseException:  # even a bare except: the block's end reports the expired bound
+                pass
+    with cli._deadline(5, "engine start (x)"):  # within its bound: nothing raised
+        pass
