@@ -1,4 +1,4 @@
-"""``async-dapo`` command line: bootstrap | eval | train | scale | plan.
+"""``async-dapo`` command line: bootstrap | eval | train | scale | stop | plan | from-verl | config-reference.
 
 Config errors print one line (``error: <dotted.key>: <problem>``) and exit 2; a run that cannot go on (a dead
 learner rank, restarts exhausted, a batch that cannot be filled, silence, and any other exception in the
@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--wait-s", type=_seconds, default=0.0, metavar="S",
                     help="wait up to S seconds for the run to apply or refuse the request and exit 0 only if it "
                          "was applied (default 0: exit once the request is written)")
+    sp = sub.add_parser("stop", help="ask a running run to end after its current step, with a checkpoint, as at "
+                        "learner.total_steps (train --resume continues it)")
+    sp.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running run's logging.run_dir")
     sub.add_parser("config-reference", help="print the config reference (every section and field, its type, "
                    "default, unit and rules) as Markdown: docs/config.md")
     sp = sub.add_parser("from-verl", help="a verl DAPO launch script (or its key=value overrides) as this "
@@ -113,7 +116,8 @@ def _plan(cfg: Config, args) -> int:
     profile, shape = pl.load_profile(args.profile), pl.Shape.from_config(cfg)
     warmup = min(10, args.steps // 6)
     cols = ["plan", "eta", "update_mode", "steps_per_s", "samples_per_s", "gen_tokens_per_s", "learner_idle",
-            "rollout_idle", "occupancy", "tail_share", "staleness_mean", "staleness_max", "step_s", "speedup"]
+            "rollout_idle", "occupancy", "tail_share", "staleness_mean", "staleness_max", "keep_rate",
+            "trained_length_ratio", "step_s", "speedup"]
     pred = pl.predict(profile, shape, args.steps, warmup, args.seed, sync_baseline=False)
     sync = pl.predict(profile, shape.synchronous(), args.steps, warmup, args.seed, sync_baseline=False)
     pred.speedup = pred.steps_per_s / sync.steps_per_s
@@ -202,6 +206,21 @@ def _scale(run_dir: Path, engines: int, wait_s: float = 0.0) -> int:
     log.info("request #%d written (engines=%d): asked %s for %d rollout engine(s) (%d serving now); the run logs "
              "each change and records it in %s", written.seq, engines, run_dir, engines, serving, rd.fleet)
     return _await_scale(rd, written.seq, offset, wait_s) if wait_s > 0 else 0
+
+
+def _stop(run_dir: Path) -> int:
+    """Write RUN_DIR/stop.json; the run reads it after each step's log line, makes that step its last
+    (validation and checkpoint as at learner.total_steps) and ends with exit status 0."""
+    from async_dapo.checkpoint.run_dir import RunDir
+    from async_dapo.metrics import write_atomic
+
+    rd = RunDir(run_dir)
+    if not rd.config.exists():
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no config.yaml)")
+    write_atomic(rd.stop, json.dumps({"asked_at": time.time()}))
+    log.info("asked %s to stop after its current step (it checkpoints first); continue it with "
+             "async-dapo train --config %s --resume %s", run_dir, rd.config, run_dir)
+    return 0
 
 
 def _await_scale(rd, seq: int, offset: int, wait_s: float) -> int:
@@ -390,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "scale":
             return _scale(args.run_dir, args.engines, args.wait_s)
+        if args.command == "stop":
+            return _stop(args.run_dir)
         if args.command == "from-verl":
             return _from_verl(args.source)
         if args.command == "config-reference":

@@ -43,7 +43,9 @@ _REPLAY_TAGS = {
     "retired_prompts": "replay/retired_prompts", "skipped_retired": "replay/skipped_retired",
     "quarantined_prompts": "replay/quarantined_prompts", "admitted": "replay/admitted",
     "handed_out": "replay/handed_out", "dropped_capacity": "replay/dropped_capacity",
-    "open_tickets": "replay/open_tickets",
+    "open_tickets": "replay/open_tickets", "forced_batches": "replay/forced_batches",
+    "last_batch_length_ratio": "replay/trained_length_ratio", "received_tokens": "replay/received_tokens",
+    "handed_out_tokens": "replay/handed_out_tokens", "handed_out_samples": "replay/handed_out_samples",
 }
 
 
@@ -89,15 +91,17 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
     dt = max(dt, 1e-9)
     share = {g.engine_rank for g in batch} | set(now)
     out = {f"rollout/{r}/batch_share": sum(g.engine_rank == r for g in batch) / max(len(batch), 1) for r in share}
-    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail"), 0.0)
+    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail", "aborted"), 0.0)
     for rank, s in now.items():
         b = before.get(rank)
         if b is None or b.get("pid") != s.get("pid"):
             b = {}
         d = {k: max(0.0, s.get(k, 0.0) - b.get(k, 0.0))
-             for k in ("gen_tokens", "idle_seconds", "groups_sent", "seq_seconds", "tail_seconds")}
+             for k in ("gen_tokens", "idle_seconds", "groups_sent", "seq_seconds", "tail_seconds", "aborted_tokens")}
+        totals["aborted"] += d["aborted_tokens"]
         occupancy = d["seq_seconds"] / dt / max(s.get("batch_seqs", 1), 1)
-        for key, value in zip(totals, (d["gen_tokens"], d["idle_seconds"], occupancy, d["tail_seconds"])):
+        for key, value in zip(("tokens", "idle", "occupancy", "tail"),
+                              (d["gen_tokens"], d["idle_seconds"], occupancy, d["tail_seconds"])):
             totals[key] += value
         out.update({f"rollout/{rank}/gen_tokens_per_s": d["gen_tokens"] / dt,
                     f"rollout/{rank}/groups_per_s": d["groups_sent"] / dt,
@@ -109,7 +113,7 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
     return out, {"gen_tokens_per_s": totals["tokens"] / dt,
                  "rollout_idle_ratio": min(1.0, totals["idle"] / dt / engines),
                  "rollout_occupancy": totals["occupancy"] / engines,
-                 "rollout_tail_ratio": min(1.0, totals["tail"] / dt / engines)}
+                 "rollout_tail_ratio": min(1.0, totals["tail"] / dt / engines), "aborted_tokens": totals["aborted"]}
 
 
 def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,
@@ -121,6 +125,10 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
     out.update({tag: float(queue[k]) for k, tag in _REPLAY_TAGS.items() if k in queue})
     out["replay/dropped_stale"] = float(queue.get("dropped_stale", 0) + queue.get("dropped_stale_at_handout", 0))
     out.update({f"replay/{k}": float(v) for k, v in queue.items() if k.startswith("abandoned/")})  # by reason
+    # response tokens generated and never trained, cumulative, by reason (the queue's drops; abort from the engines)
+    out.update({f"rollout/{k}": float(v) for k, v in queue.items() if k.startswith("wasted_tokens/")})
+    if "wasted_abort_tokens" in timing:
+        out["rollout/wasted_tokens/abort"] = float(timing["wasted_abort_tokens"])
     step_s = max(timing["step_s"], 1e-9)
     out.update({
         "perf/time_per_step": step_s, "perf/wait_data_s": timing["wait_data_s"],

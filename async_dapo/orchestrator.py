@@ -51,8 +51,10 @@ def train(cfg: Config, resume: Path | None = None, clock: PhaseClock | None = No
             run.log(step, batch, stats, t0)
             if run.due(step, cfg.logging.val_every_steps):
                 run.validate(step)                         # on every engine; the learner does not wait
-            if run.due(step, cfg.checkpoint.every_steps) or step == cfg.learner.total_steps:
-                run.checkpoint(step)
+            if run.due(step, cfg.checkpoint.every_steps):
+                run.checkpoint(step)                       # and at the last step
+            if step == run.last_step:                      # learner.total_steps, or `async-dapo stop` asked
+                break
         return run.finish()
 
 
@@ -67,6 +69,7 @@ class Run:
         self._started_ray = False
         self._ray_park = None  # set it to let connect_ray's parked thread end
         self._last: dict[str, Any] = {"engines": {}, "t": time.perf_counter()}  # the engines' previous counters
+        self._wasted_abort = 0.0  # tokens the engines aborted since the start (rollout/wasted_tokens/abort)
         self._t_start = time.perf_counter()
         self._steps_done = 0
         self._push_failed_before = False
@@ -76,6 +79,7 @@ class Run:
         self._val_skipped = 0  # validations not started because the previous one was still running
         self._predicted_s: float | None = None  # the planner's step time (logging.plan_profile)
         self._step_times: list[float] = []
+        self._stop_at: int | None = None  # the step in progress when `async-dapo stop` asked
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
@@ -138,6 +142,7 @@ class Run:
         if cfg.logging.plan_profile is not None:
             self._predict()
         self.dir.drop_scale_request()
+        self.dir.drop_stop_request()
         if not ray.is_initialized():
             with self.clock.phase("ray_start"):
                 self._ray_park = connect_ray(cfg)
@@ -292,8 +297,13 @@ class Run:
         self.placed.push_weights(version)
         self.placed.wait_push()
 
+    @property
+    def last_step(self) -> int:
+        """learner.total_steps, or the step in progress when ``async-dapo stop`` asked."""
+        return self.cfg.learner.total_steps if self._stop_at is None else self._stop_at
+
     def due(self, step: int, every: int) -> bool:
-        return every > 0 and (step % every == 0 or step == self.cfg.learner.total_steps)
+        return every > 0 and (step % every == 0 or step == self.last_step)
 
     @timed("logging")
     def log(self, step: int, batch: list, stats: dict[str, float], t0: float) -> None:
@@ -303,7 +313,8 @@ class Run:
         per_engine, fleet = fleet_metrics(engines, self._last["engines"], t - self._last["t"], batch)
         # an engine that did not answer this time keeps its last counters (its next answer is a delta of them)
         self._last = {"engines": {**self._last["engines"], **engines}, "t": t}
-        timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s,
+        self._wasted_abort += fleet.pop("aborted_tokens")  # engines count per process: summed over steps here
+        timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s, "wasted_abort_tokens": self._wasted_abort,
                   "weight_push_s": push.get("push_s", 0.0), "weight_push_stall_s": self._push_stall_s, **fleet}
         self._push_stall_s = 0.0  # a step without a push (weight_sync.every_k_steps > 1) stalls nothing
         m = {**step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing), **per_engine}
@@ -317,6 +328,11 @@ class Run:
         self._steps_done += 1
         eta = (now - self._t_start) / self._steps_done * (self.cfg.learner.total_steps - step)
         log.info(progress_line(step, self.cfg.learner.total_steps, m, eta))
+        if self.last_step > step and self.dir.stop_requested():  # read once per step: its last step is this one
+            self._stop_at = step
+            log.info("stop requested (%s): step %d is the run's last; it checkpoints and ends as at "
+                     "learner.total_steps (%d), and --resume continues it", self.dir.stop, step,
+                     self.cfg.learner.total_steps)
         self.last_metrics = m
 
     @timed("validation")
@@ -326,7 +342,7 @@ class Run:
         and counted (``val/skipped``; a metric never stalls the learner), except at the last step, where the
         previous one is awaited (training is over) so that the final weights are validated (unless no engine
         runs them yet: then it is skipped and counted like any other)."""
-        self._collect_validation(block=step == self.cfg.learner.total_steps)
+        self._collect_validation(block=step == self.last_step)
         if self._val is not None:
             self._val_skipped += 1
             log.warning("validation at step %d skipped: the one started at step %d is still running "

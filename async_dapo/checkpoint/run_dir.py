@@ -12,6 +12,7 @@ Layout::
     <run_dir>/fleet.jsonl          the rollout fleet's events: engines failed, replaced, added, removed
     <run_dir>/scale.json           ``async-dapo scale``: the number of engines asked for, numbered (read by the run)
     <run_dir>/.scale.lock          taken by each ``async-dapo scale`` while it numbers and writes its request
+    <run_dir>/stop.json            ``async-dapo stop``: end the run after its current step (read by the run)
     <run_dir>/batches/step_N.bin   logging.record_batches: each step's groups (wire encoding)
     <run_dir>/hf/                  checkpoint.export_hf: the final policy in HF format
     <run_dir>/checkpoints/step_N/  DCP shards, extra_rank<r>.json (async_dapo.checkpoint.rank_state), replay.json, meta.json
@@ -74,6 +75,17 @@ class RunDir:
         """A scale request is for the run that was running when it was made; a new or resumed run starts
         with placement.num_engines."""
         self.scale.unlink(missing_ok=True)
+
+    @property
+    def stop(self) -> Path:
+        return self.path / "stop.json"
+
+    def drop_stop_request(self) -> None:
+        """A stop request ends the run that was running when it was made, not the run that resumes it."""
+        self.stop.unlink(missing_ok=True)
+
+    def stop_requested(self) -> bool:
+        return self.stop.exists()
 
     @property
     def hf(self) -> Path:

@@ -22,7 +22,7 @@ from async_dapo.config.load import (
 from async_dapo.config.model import ModelConfig, TinyModelConfig
 from async_dapo.config.output import CheckpointConfig, LoggingConfig
 from async_dapo.config.placement import PlacementConfig
-from async_dapo.config.replay import ReplayConfig
+from async_dapo.config.replay import ReplayConfig, resolved_batch_order
 from async_dapo.config.reward import RewardConfig
 from async_dapo.config.rollout import EngineConfig, RolloutConfig
 from async_dapo.config.root import Config
@@ -74,5 +74,6 @@ __all__ = [
     "receive_hwm",
     "receive_max_peers",
     "receive_min_budget",
+    "resolved_batch_order",
     "set_dotted",
 ]

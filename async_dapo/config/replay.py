@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from async_dapo.config.section import Section
@@ -23,8 +25,27 @@ class ReplayConfig(Section):
         "expired: its slot is released, it is counted as replay/abandoned/expired and the prompt goes back "
         "to the cursor; a group arriving later for it is dropped and counted.",
     )
+    batch_order: Literal["auto", "arrival", "admission"] = Field(
+        "auto", description="Which queued groups a batch takes: 'arrival' = the B that arrived first (the "
+        "fastest-finishing, so shorter responses, in async runs); 'admission' = the B whose prompts were "
+        "admitted first, waiting for a late one up to order_wait_s (trains the admitted population); 'auto' = "
+        "admission with rollout.update_mode abort (a push would otherwise keep restarting the long samples "
+        "the batch never waits for), arrival otherwise (docs/concepts.md, 'What an async batch trains on').",
+    )
+    order_wait_s: float = Field(
+        60, gt=0, description="With batch_order 'admission': the longest a batch that B queued groups could "
+        "fill waits for an earlier-admitted group still generating; then it is handed out in admission "
+        "order among the queued groups.",
+    )
     silence_timeout_s: float = Field(
         900, gt=0, description="The learner's wait for a batch fails when no group at all arrived for this "
         "many seconds (bounds silence, not duration: a slow engine that keeps delivering groups is never "
         "killed by it). Must exceed placement.health_check_timeout_s + weight_sync.timeout_s.",
     )
+
+
+def resolved_batch_order(batch_order: str, update_mode: str) -> str:
+    """replay.batch_order with 'auto' resolved against rollout.update_mode: 'arrival' or 'admission'."""
+    if batch_order == "auto":
+        return "admission" if update_mode == "abort" else "arrival"
+    return batch_order

@@ -75,6 +75,7 @@ class RolloutConfig(Section):
     )
     drain_timeout_s: float = Field(
         300, gt=0, description="update_mode=drain: longest wait (seconds) for running requests to finish "
-        "before the weight update fails.",
+        "before the weight update fails; update_mode=abort: the same bound on the aborted requests leaving "
+        "the engine.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)

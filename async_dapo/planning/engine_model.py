@@ -122,7 +122,7 @@ class EngineModel:
         while e.heap and e.heap[0][0] <= e.it:
             _, sid = heapq.heappop(e.heap)
             e.running.discard(sid)
-            gid, length, start, _ = self.seqs[sid]
+            gid, length, start = self.seqs[sid][:3]
             e.n -= 1
             e.sum_p -= self.p.workload.prompt_tokens
             e.sum_start -= start
@@ -226,16 +226,17 @@ class EngineModel:
             self._admit(t)  # an engine that drained may take groups again
 
     def _abort_running(self, e: Engine, version: int) -> int:
-        """Abort mode: every running sequence's tokens are thrown away; it restarts from scratch (a new
-        sample, so a new length) at ``version``. Returns the groups that need a prefill again."""
+        """Abort mode: every running sequence's tokens are thrown away; it restarts from scratch at
+        ``version``: a new sample OF THE SAME PROMPT (planning.workload: a hard prompt's restart is long
+        again). Returns the groups that need a prefill again."""
         groups, sids = set(), sorted(e.running)
-        lengths = self._lengths(len(sids)).tolist()
         e.heap = []
-        for sid, length in zip(sids, lengths):
+        for sid in sids:
             seq = self.seqs[sid]
             e.wasted += e.it - seq[2]
-            seq[1], seq[2], seq[3] = length, e.it, version
-            e.heap.append((e.it + length, sid))
+            new = self.workload.resample(self.groups[seq[0]]["prompt"], version)
+            seq[1], seq[2], seq[3], seq[4] = new.length, e.it, version, new.correct
+            e.heap.append((e.it + new.length, sid))
             groups.add(seq[0])
         heapq.heapify(e.heap)
         e.sum_start = e.n * e.it

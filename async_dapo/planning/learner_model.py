@@ -1,7 +1,7 @@
 """The simulator's learner and its weight push: it takes the B oldest queued groups at its own version
-(dropping the stale ones), trains for ``step_base_s + epochs·per_token_s·tokens / (ranks·efficiency)``
-(slower while engines decode), and every k steps pushes: it waits for the previous push, stalls
-``learner_stall_s``, then every engine applies the update by ``rollout.update_mode``.
+(dropping the stale ones), trains for :func:`step_seconds` (slower while engines decode), and every k steps
+pushes: it waits for the previous push, stalls ``learner_stall_s``, then every engine applies the update
+by ``rollout.update_mode``.
 
 :class:`LearnerModel` is one half of :class:`~async_dapo.planning.simulator.Simulator`: its methods read and
 change the state the simulator holds and call the engine half's ``_poke``."""
@@ -12,6 +12,37 @@ import math
 from collections import deque
 
 from async_dapo.planning.engine_model import LEARNER
+from async_dapo.planning.profile import LearnerProfile
+from async_dapo.planning.shape import Shape
+
+
+def step_seconds(lp: LearnerProfile, s: Shape, group_tokens: list[float]) -> float:
+    """One training step on groups of ``group_tokens`` (prompt + response tokens each), as the learner runs it
+    (learner.rank.train_step), R = ``s.learner_ranks``:
+
+    * the batch splits into mini-batches of ``s.mini_batch_groups`` groups, one optimizer update each;
+    * a mini-batch of T tokens is, per rank, ``m = ceil(T / R / micro_batch_tokens)`` micro-batches (at
+      least 1; padding inside a micro-batch is not modelled) costing
+      ``per_token_s·T / (R·efficiency) + m·per_micro_batch_s`` of compute and, when R > 1,
+      ``m·(3·collective_bytes·(R − 1)/R / collective_bandwidth + collective_latency_s)`` of collectives, of
+      which ``collective_overlap`` hides under compute;
+    * each update costs ``per_update_s / R`` (FSDP shards the optimizer state);
+    * all of that ``epochs`` times, plus, with a proximal pass, ``forward_share`` of every mini-batch but
+      the first once, plus ``step_base_s``."""
+    R = s.learner_ranks
+    comm_per_micro = 0.0
+    if R > 1:
+        comm_per_micro = (3 * lp.collective_bytes * (R - 1) / R / lp.collective_bandwidth_bytes_per_s
+                          + lp.collective_latency_s) * (1 - lp.collective_overlap)
+    passes = []
+    for j in range(0, len(group_tokens), s.mini_batch_groups):
+        tokens = sum(group_tokens[j:j + s.mini_batch_groups])
+        micro = max(1, math.ceil(tokens / R / s.micro_batch_tokens))
+        compute = lp.per_token_s * tokens / (R * lp.scaling_efficiency) + micro * lp.per_micro_batch_s
+        passes.append(compute + micro * comm_per_micro)
+    train = sum(passes) + len(passes) * lp.per_update_s / R
+    proximal = lp.forward_share * sum(passes[1:]) if s.proximal else 0.0
+    return lp.step_base_s + s.epochs * train + proximal
 
 
 class LearnerModel:
@@ -47,21 +78,33 @@ class LearnerModel:
             self.queue = fresh
             self.queue_min = min((g[0] for g in fresh), default=math.inf)
             self._admit(t)
-        if len(self.queue) < B:
+        batch = self._pick(B)
+        if batch is None:
             return
-        batch = [self.queue.popleft() for _ in range(B)]
         self.queue_min = min((g[0] for g in self.queue), default=math.inf)
         if self.step >= self.warmup:
             self.stale_trained.extend(self.lv - g[0] for g in batch)
         self.counts["trained_resp"] += sum(g[2] for g in batch)
-        lp = self.p.learner
-        tokens = sum(g[1] for g in batch)
+        self.counts["trained_samples"] += B * self.s.G
         self._learner_to(t, "train")
-        self.lwork = lp.step_base_s + self.s.epochs * lp.per_token_s * tokens / (
-            self.s.learner_ranks * lp.scaling_efficiency)
+        self.lwork = step_seconds(self.p.learner, self.s, [g[1] for g in batch])
         self.lrate = self._learner_rate()
         self.ltoken += 1
         self._at(t + self.lwork / self.lrate, LEARNER, self.ltoken)
+
+    def _pick(self, B: int) -> list | None:
+        """The batch replay.policy hands out: the B first arrived, or (admission order) the B first admitted
+        once no earlier-admitted group is still generating (the queue's order_wait_s bound is not modelled)."""
+        if len(self.queue) < B:
+            return None
+        if self.s.batch_order == "arrival":
+            return [self.queue.popleft() for _ in range(B)]
+        ranked = sorted(self.queue, key=lambda g: g[3])[:B]
+        if self.groups and min(self.groups) < ranked[-1][3]:  # groups still generating, keyed by admission
+            return None
+        chosen = {g[3] for g in ranked}
+        self.queue = deque(g for g in self.queue if g[3] not in chosen)
+        return ranked
 
     def _learner_to(self, t: float, state: str) -> None:
         """Change the learner's state; entering or leaving training changes the engines' speed."""

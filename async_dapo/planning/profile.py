@@ -47,15 +47,32 @@ class EngineProfile(_Part):
 
 
 class LearnerProfile(_Part):
-    """The learner's measured step cost."""
+    """The learner's measured step cost (planning.learner_model.step_seconds puts the parts together)."""
 
-    step_base_s: float = Field(..., ge=0, description="Fixed seconds of one training step (optimizer, "
-                               "collectives that do not scale with tokens).")
+    step_base_s: float = Field(..., ge=0, description="Fixed seconds of one training step (scheduler, "
+                               "metrics, the step's own calls).")
     per_token_s: float = Field(..., ge=0, description="Seconds per trained token (prompt + response) per "
-                               "epoch on ONE rank.")
+                               "epoch on ONE rank: forward and backward compute.")
     scaling_efficiency: float = Field(1.0, gt=0, le=1, description="R ranks run R × this times faster on the "
-                                      "token part.")
+                                      "token part (a summary figure; leave 1.0 when the collectives below "
+                                      "are stated).")
     devices_per_rank: int = Field(1, ge=1, description="Accelerators one learner rank occupies.")
+    per_micro_batch_s: float = Field(0.0, ge=0, description="Fixed seconds of one forward + backward "
+                                     "micro-batch on one rank beyond its tokens (launches, hooks).")
+    per_update_s: float = Field(0.0, ge=0, description="Seconds of one optimizer update (gradient clip + "
+                                "AdamW) of the whole model on one rank; FSDP shards it over the ranks.")
+    forward_share: float = Field(1 / 3, ge=0, le=1, description="Share of a token's compute that is its "
+                                 "forward pass: the proximal log-prob pass (correction not naive, every "
+                                 "mini-batch after a step's first) costs this much.")
+    collective_bytes: float = Field(0.0, ge=0, description="Bytes of the model's parameters in the compute "
+                                    "dtype; FSDP moves 3 × this × (R − 1)/R per rank per micro-batch "
+                                    "(forward all-gather, backward all-gather, gradient reduce-scatter).")
+    collective_bandwidth_bytes_per_s: float = Field(1e12, gt=0, description="Per-rank bytes per second of "
+                                                    "all-gather / reduce-scatter among the learner ranks.")
+    collective_latency_s: float = Field(0.0, ge=0, description="Fixed seconds of a micro-batch's collectives "
+                                        "when R > 1 (one per FSDP unit, summed).")
+    collective_overlap: float = Field(0.0, ge=0, le=1, description="Share of the collectives' time hidden "
+                                      "under compute (FSDP's prefetch); 0 = none (gloo on shared CPU cores).")
 
 
 class PushProfile(_Part):
@@ -85,24 +102,66 @@ class Lognormal(_Part):
     sigma: float = Field(..., ge=0, description="Standard deviation of ln(length).")
 
 
+class PromptRecord(_Part):
+    """One calibration prompt's samples: their response lengths and outcomes, in the same order."""
+
+    lengths: list[int] = Field(..., min_length=1, description="Response lengths (tokens) of the prompt's samples.")
+    correct: list[bool] = Field(..., min_length=1, description="Whether each sample was correct (the filter "
+                                "metric acc).")
+
+    @model_validator(mode="after")
+    def _paired(self) -> "PromptRecord":
+        if len(self.lengths) != len(self.correct):
+            raise ValueError(f"lengths has {len(self.lengths)} entries, correct {len(self.correct)}: one per sample")
+        if min(self.lengths) < 1:
+            raise ValueError("lengths must all be >= 1")
+        return self
+
+
 class Workload(_Part):
-    """What is generated: prompt length, response lengths, how many groups dynamic sampling keeps."""
+    """What is generated: prompt length, response lengths, which groups dynamic sampling keeps. Either
+    per-prompt records (``prompts``; keep is derived for any group size, see planning.workload) or
+    population figures (``response_lengths`` or ``lognormal``, and ``keep_rate``)."""
 
     prompt_tokens: float = Field(..., ge=0, description="Mean prompt length (tokens).")
+    prompts: list[PromptRecord] | None = Field(None, min_length=1, description="Per-prompt samples (lengths "
+                                               "and outcomes) as calibration measured them; keep is derived.")
     response_lengths: list[int] | None = Field(None, min_length=1, description="An empirical sample of "
-                                               "response lengths (resampled); or give lognormal.")
+                                               "response lengths (resampled); or give lognormal or prompts.")
     lognormal: Lognormal | None = Field(None, description="Parametric response lengths; or give "
-                                        "response_lengths. Lengths are capped at rollout.max_response_length.")
-    keep_rate: float = Field(..., gt=0, le=1, description="Fraction of finished groups dynamic sampling keeps "
-                             "(mixed outcome); 1.0 = off.")
+                                        "response_lengths or prompts. Lengths are capped at "
+                                        "rollout.max_response_length.")
+    keep_rate: float | None = Field(None, gt=0, le=1, description="Fraction of finished groups dynamic sampling "
+                                    "keeps (mixed outcome), with response_lengths or lognormal; derived from "
+                                    "prompts otherwise.")
+    accuracy_by_version: list[float] | None = Field(None, min_length=1, description="Mean per-sample accuracy "
+                                                    "at policy version 0, 1, ... (keep's drift during "
+                                                    "training; the last value holds after the list), with "
+                                                    "prompts. None: the recorded accuracies throughout.")
 
     @model_validator(mode="after")
     def _one_length_model(self) -> "Workload":
-        if (self.response_lengths is None) == (self.lognormal is None):
-            raise ValueError("give exactly one of response_lengths and lognormal")
+        given = [k for k in ("prompts", "response_lengths", "lognormal") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompts, response_lengths and lognormal (got {given or 'none'})")
         if self.response_lengths is not None and min(self.response_lengths) < 1:
             raise ValueError("response_lengths must all be >= 1")
+        if self.prompts is not None and self.keep_rate is not None:
+            raise ValueError("keep_rate is derived from prompts: give one or the other")
+        if self.prompts is None and self.keep_rate is None:
+            raise ValueError("keep_rate is required with response_lengths or lognormal")
+        if self.accuracy_by_version is not None:
+            if self.prompts is None:
+                raise ValueError("accuracy_by_version needs prompts (it shifts each prompt's accuracy)")
+            if not all(0 < a < 1 for a in self.accuracy_by_version):
+                raise ValueError("accuracy_by_version values must be in (0, 1)")
         return self
+
+    def all_lengths(self) -> list[int]:
+        """Every response length the workload states (records or the empirical sample); [] for lognormal."""
+        if self.prompts is not None:
+            return [L for r in self.prompts for L in r.lengths]
+        return list(self.response_lengths or [])
 
 
 class Profile(_Part):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from async_dapo.config.replay import resolved_batch_order
+
 UPDATE_MODES = ("inflight", "drain", "abort")
 
 
@@ -22,14 +24,21 @@ class Shape:
     epochs: int = 1
     num_engines: int = 1
     learner_ranks: int = 1
+    filter_groups: bool = True  # algorithm.dynamic_sampling.enable
+    mini_batch_groups: int = 1 << 20  # learner.mini_batch_groups (default: one update per epoch)
+    micro_batch_tokens: int = 1 << 40  # learner.micro_batch_tokens (default: one micro-batch)
+    proximal: bool = False  # a proximal log-prob pass (algorithm.correction.mode != "naive")
+    batch_order: str = "arrival"  # replay.batch_order resolved: "arrival" or "admission" (no wait bound)
 
     def __post_init__(self) -> None:
         for name in ("B", "G", "max_inflight_prompts", "max_response_length", "every_k_steps", "epochs",
-                     "num_engines", "learner_ranks"):
+                     "num_engines", "learner_ranks", "mini_batch_groups", "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Shape.{name} must be >= 1, got {getattr(self, name)}")
         if self.eta < 0:
             raise ValueError(f"Shape.eta must be >= 0, got {self.eta}")
+        if self.batch_order not in ("arrival", "admission"):
+            raise ValueError(f"Shape.batch_order must be 'arrival' or 'admission', got {self.batch_order!r}")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"Shape.update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
 
@@ -39,7 +48,11 @@ class Shape:
                    max_inflight_prompts=cfg.rollout.max_inflight_prompts, update_mode=cfg.rollout.update_mode,
                    max_response_length=cfg.rollout.max_response_length,
                    every_k_steps=cfg.weight_sync.every_k_steps, epochs=cfg.learner.epochs,
-                   num_engines=cfg.placement.num_engines, learner_ranks=cfg.placement.learner_ranks)
+                   num_engines=cfg.placement.num_engines, learner_ranks=cfg.placement.learner_ranks,
+                   filter_groups=cfg.algorithm.dynamic_sampling.enable,
+                   mini_batch_groups=cfg.learner.mini_batch_groups, micro_batch_tokens=cfg.learner.micro_batch_tokens,
+                   proximal=cfg.algorithm.correction.mode != "naive",
+                   batch_order=resolved_batch_order(cfg.replay.batch_order, cfg.rollout.update_mode))
 
     def with_(self, **changes) -> "Shape":
         return replace(self, **changes)
@@ -70,6 +83,8 @@ class Prediction:
     wasted_tokens: int  # tokens generated and thrown away (abort mode)
     step_s: float
     push_s: float  # the sender's time per push
+    keep_rate: float = float("nan")  # kept / (kept + filtered) finished groups
+    trained_length_ratio: float = float("nan")  # mean trained response length / mean of all finished samples
     speedup: float | None = None  # over the same plan at η = 0
 
     def row(self) -> dict[str, float]:

@@ -16,6 +16,7 @@ from async_dapo.planning.engine_model import READY, Engine, EngineModel
 from async_dapo.planning.learner_model import LearnerModel
 from async_dapo.planning.profile import Profile, load_profile
 from async_dapo.planning.shape import Prediction, Shape
+from async_dapo.planning.workload import Sample, WorkloadModel
 
 
 class Simulator(EngineModel, LearnerModel):
@@ -26,13 +27,14 @@ class Simulator(EngineModel, LearnerModel):
             raise ValueError(f"need 0 <= warmup < steps - 1, got warmup {warmup}, steps {steps}")
         self.p, self.s, self.steps, self.warmup = profile, shape, steps, warmup
         self.rng = np.random.default_rng(seed)
+        self.workload = WorkloadModel(profile.workload, shape.max_response_length, self.rng)
         self.events: list = []
         self.serial = 0
         self.engines = [Engine(i) for i in range(shape.num_engines)]
-        self.seqs: dict[int, list] = {}  # sid -> [gid, length, start iteration, version]
+        self.seqs: dict[int, list] = {}  # sid -> [gid, length, start iteration, version, correct]
         self.groups: dict[int, dict] = {}
         self.next_id = 0
-        self.queue: deque = deque()  # accepted groups: (min_version, trained tokens, response tokens)
+        self.queue: deque = deque()  # accepted groups: (min_version, trained tokens, response tokens, gid)
         self.queue_min = math.inf  # lowest min_version queued (skip the stale scan when nothing can be stale)
         self.in_window = self.running = 0
         self.qv = self.lv = 0  # the engines' loaded version (admission) / the learner's
@@ -42,7 +44,8 @@ class Simulator(EngineModel, LearnerModel):
         self.push: dict[str, Any] | None = None  # the push in flight: version, start, engines entered/loaded
         self.push_durations: list[float] = []
         self.stale_trained: list[int] = []
-        self.counts = {"dropped_stale": 0, "dropped_filtered": 0, "trained_resp": 0}
+        self.counts = {"dropped_stale": 0, "dropped_filtered": 0, "kept": 0, "trained_resp": 0,
+                       "trained_samples": 0, "finished_resp": 0, "finished_samples": 0}
         self.snap: dict[str, Any] = {}
         self.half = shape.max_inflight_prompts * shape.G / 2
 
@@ -64,14 +67,6 @@ class Simulator(EngineModel, LearnerModel):
                 self._learner_event(t)
         return self._result()
 
-    def _lengths(self, n: int) -> np.ndarray:
-        w = self.p.workload
-        if w.response_lengths is not None:
-            raw = self.rng.choice(np.asarray(w.response_lengths), size=n)
-        else:
-            raw = np.rint(np.exp(math.log(w.lognormal.median) + w.lognormal.sigma * self.rng.standard_normal(n)))
-        return np.clip(raw, 1, self.s.max_response_length).astype(np.int64)
-
     def _admit(self, t: float) -> None:
         """replay.py's admission rule; each group goes to the engine with the most room (pull-style)."""
         s = self.s
@@ -88,9 +83,10 @@ class Simulator(EngineModel, LearnerModel):
             gid, self.next_id = self.next_id, self.next_id + 1
             sids = list(range(self.next_id, self.next_id + s.G))
             self.next_id += s.G
-            for sid, length in zip(sids, self._lengths(s.G).tolist()):
-                self.seqs[sid] = [gid, length, 0, 0]
-            self.groups[gid] = {"sids": sids, "left": s.G, "prefilled": False}
+            prompt, samples = self.workload.group(s.G, self.qv)
+            for sid, smp in zip(sids, samples):
+                self.seqs[sid] = [gid, smp.length, 0, 0, smp.correct]
+            self.groups[gid] = {"sids": sids, "left": s.G, "prefilled": False, "prompt": prompt}
             best.waiting.extend(sids)
             best.inflight += 1
             self.running += 1
@@ -103,13 +99,16 @@ class Simulator(EngineModel, LearnerModel):
         e.inflight -= 1
         self.running -= 1
         min_version = min(s[3] for s in seqs)
+        resp = sum(s[1] for s in seqs)
+        self.counts["finished_resp"] += resp
+        self.counts["finished_samples"] += len(seqs)
         if self.qv - min_version > self.s.eta:
             self.counts["dropped_stale"] += 1
-        elif self.p.workload.keep_rate < 1.0 and self.rng.random() >= self.p.workload.keep_rate:
+        elif self.s.filter_groups and not self.workload.keeps([Sample(s[1], s[4]) for s in seqs]):
             self.counts["dropped_filtered"] += 1
         else:
-            resp = sum(s[1] for s in seqs)
-            self.queue.append((min_version, resp + self.s.G * self.p.workload.prompt_tokens, resp))
+            self.counts["kept"] += 1
+            self.queue.append((min_version, resp + self.s.G * self.p.workload.prompt_tokens, resp, gid))
             self.queue_min = min(self.queue_min, min_version)
             self.in_window += 1
         self._admit(t)
@@ -139,11 +138,21 @@ class Simulator(EngineModel, LearnerModel):
             tail_share=d["tail"] / engines_wall, staleness_mean=float(np.mean(self.stale_trained)),
             staleness_max=int(max(self.stale_trained)), staleness_hist=dict(sorted(hist.items())),
             dropped_stale=int(d["dropped_stale"]), dropped_filtered=int(d["dropped_filtered"]),
-            wasted_tokens=int(d["wasted"]), step_s=1.0 / per_s, push_s=float(np.mean(self.push_durations or [0.0])))
+            wasted_tokens=int(d["wasted"]), step_s=1.0 / per_s, push_s=float(np.mean(self.push_durations or [0.0])),
+            keep_rate=d["kept"] / max(1, d["kept"] + d["dropped_filtered"]),
+            trained_length_ratio=_ratio(d["trained_resp"], d["trained_samples"], d["finished_resp"],
+                                        d["finished_samples"]))
 
     def _zero(self) -> dict[str, Any]:
         return {"t": 0.0, "lidle": 0.0, "idle": 0.0, "occ": 0.0, "tail": 0.0, "gen": 0, "wasted": 0,
                 **{k: 0 for k in self.counts}}
+
+
+def _ratio(trained: float, trained_n: float, finished: float, finished_n: float) -> float:
+    """Mean trained response length / mean length of every finished sample over the same window."""
+    if not (trained_n and finished_n and finished):
+        return float("nan")
+    return (trained / trained_n) / (finished / finished_n)
 
 
 def predict(profile: Profile, shape: Shape, steps: int = 60, warmup: int = 10, seed: int = 0,

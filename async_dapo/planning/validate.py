@@ -20,12 +20,14 @@ COMPARED = ("occupancy", "tail_share")  # also compared by validate(), with no t
 
 def bench_row_shape(shape: Shape) -> Callable[[dict[str, str]], Shape]:
     """How tools/bench/throughput.py sets each mode: η from the row, rollout.max_inflight_prompts =
-    (η + 1)·B, the row's update_mode if it has one (else the shape's); every_k_steps kept within η + 1."""
+    (η + 1)·B, the row's update_mode and batch_order if it has them (else the shape's); every_k_steps kept
+    within η + 1."""
     def for_row(row: dict[str, str]) -> Shape:
         eta = int(float(row["eta"]))
         return shape.with_(eta=eta, max_inflight_prompts=(eta + 1) * shape.B,
                            every_k_steps=min(shape.every_k_steps, eta + 1),
-                           update_mode=row.get("update_mode") or shape.update_mode)
+                           update_mode=row.get("update_mode") or shape.update_mode,
+                           batch_order=row.get("batch_order") or shape.batch_order)
     return for_row
 
 
@@ -50,14 +52,16 @@ def validate(profile: Profile, table_csv: str | Path, shape_for_row: Shape | Cal
     (±15 % / ±0.3 / ±0.1 / ±0.1). ``shape_for_row``: a callable, or a Shape mapped as :func:`bench_row_shape`.
     ``measured_keep``: a diagnostic, not a validation: each row is predicted with the keep rate that row
     measured (its ``keep_rate`` column) instead of the profile's, to tell a drifting workload from a wrong
-    pipeline model."""
+    pipeline model (per-prompt records become their population: every recorded length, that keep rate)."""
     to_shape = bench_row_shape(shape_for_row) if isinstance(shape_for_row, Shape) else shape_for_row
     out = []
     for row in _read_table(table_csv):
         shape, used = to_shape(row), profile
         if measured_keep and row.get("keep_rate") not in (None, ""):
-            used = profile.model_copy(update={"workload": profile.workload.model_copy(
-                update={"keep_rate": float(row["keep_rate"])})})
+            w = profile.workload
+            used = profile.model_copy(update={"workload": w.model_copy(update={
+                "keep_rate": float(row["keep_rate"]), "prompts": None, "accuracy_by_version": None,
+                "response_lengths": w.response_lengths or w.all_lengths() or None})})
         pred = predict(used, shape, steps, warmup, seed, sync_baseline=False).row()
         res: dict[str, Any] = {"mode": row.get("mode", ""), "eta": shape.eta, "update_mode": shape.update_mode}
         oks = []

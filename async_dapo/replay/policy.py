@@ -18,7 +18,11 @@ Three decisions, with v = the learner's current policy version (``versions.curre
   (:func:`keeps_group`; verl's ``algorithm.filter_groups``, metric ``acc`` by default: all correct or all
   wrong), otherwise accepted (FIFO).
 * Hand-out: queued groups with v − min_version > η are dropped, then exactly B groups are handed out,
-  oldest arrival first, or nothing if fewer than B remain.
+  or nothing if fewer than B remain. Order ``arrival``: the B oldest arrivals. Order ``admission``: the
+  B earliest-admitted queued groups, and only once no prompt admitted before the last of them is still
+  running (the caller names the earliest running admission; it may force the batch when a late group
+  has kept it waiting too long). Arrival order favours the groups that finish first (short, easy ones)
+  in every async batch; admission order trains the population as it was admitted.
 
 Guarantee (PER SAMPLE): every token of every handed-out group was produced by a policy version
 ≥ v − η, where v is the version current at hand-out. The admission bound alone is only aggregate (it
@@ -37,6 +41,7 @@ from typing import Generic, Protocol, TypeVar
 
 __all__ = [
     "ACCEPTED",
+    "BATCH_ORDERS",
     "DROPPED_ALL_CORRECT",
     "DROPPED_ALL_WRONG",
     "DROPPED_STALE",
@@ -58,7 +63,9 @@ DROPPED_ALL_CORRECT = "dropped_all_correct"
 DROPPED_ALL_WRONG = "dropped_all_wrong"
 DROPPED_UNIFORM = "dropped_uniform"  # non-acc metric all equal while the accuracies are mixed
 DROPPED_STALE = "dropped_stale"
+BATCH_ORDERS = ("arrival", "admission")
 OUTCOMES = (ACCEPTED, DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG, DROPPED_UNIFORM, DROPPED_STALE)
+WASTE_REASONS = ("filtered", "stale", "capacity")
 # Arrival outcomes that give an admission slot back (a dropped group never counts as in_window).
 FREES_ADMISSION = frozenset({DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG, DROPPED_UNIFORM, DROPPED_STALE})
 
@@ -84,6 +91,11 @@ class GroupLike(Protocol):
     @property
     def accuracies(self) -> Sequence[bool]:
         """One correctness flag per sample (metric ``acc``; also names a uniform group's drop)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens over all samples (what a drop wastes; the trained-length ratio)."""
         ...
 
     @property
@@ -174,6 +186,16 @@ class ReplayStats:
     last_batch_staleness_mean: float = 0.0
     last_batch_staleness_max: int = 0
     staleness_hist: dict[int, int] = field(default_factory=dict)  # staleness -> handed-out groups
+    received_tokens: int = 0  # response tokens of the groups that arrived, kept or dropped
+    handed_out_samples: int = 0
+    handed_out_tokens: int = 0  # response tokens handed out (trained)
+    # response tokens of dropped groups by reason: filtered (dynamic sampling), stale, capacity
+    wasted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WASTE_REASONS, 0))
+    # the last batch's mean response length / the mean length of every group that arrived since the batch
+    # before it (kept or not): < 1 when batches favour short responses
+    last_batch_length_ratio: float = 0.0
+    _window_tokens: int = 0  # arrivals since the last hand-out
+    _window_samples: int = 0
 
     @property
     def running(self) -> int:
@@ -188,8 +210,11 @@ class ReplayStats:
     def snapshot(self) -> dict[str, float | int]:
         """Flat metrics dict; the histogram becomes ``staleness_hist/<k>`` keys."""
         out: dict[str, float | int] = {
-            name: value for name, value in vars(self).items() if name != "staleness_hist"
+            name: value for name, value in vars(self).items()
+            if name not in ("staleness_hist", "wasted_tokens") and not name.startswith("_")
         }
+        for reason, tokens in self.wasted_tokens.items():
+            out[f"wasted_tokens/{reason}"] = tokens
         out["running"] = self.running
         out["in_window"] = self.in_window
         for staleness, count in sorted(self.staleness_hist.items()):
@@ -245,6 +270,7 @@ class ReplayPolicy(Generic[G]):
         versions: VersionSource,
         start_version: int | None = None,
         filter_metric: str = "acc",
+        batch_order: str = "arrival",
     ) -> None:
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
@@ -261,13 +287,17 @@ class ReplayPolicy(Generic[G]):
         self.capacity = capacity
         if filter_metric not in FILTER_METRICS:
             raise ValueError(f"filter_metric must be one of {FILTER_METRICS}, got {filter_metric!r}")
+        if batch_order not in BATCH_ORDERS:
+            raise ValueError(f"batch_order must be one of {BATCH_ORDERS}, got {batch_order!r}")
         self.dynamic_sampling = dynamic_sampling
         self.filter_metric = filter_metric
+        self.batch_order = batch_order
+        self._arrivals = 0  # the order of a group given none
         self._versions = versions
         # On a resume pass the restored version explicitly: a queue actor started before the
         # learner restored its checkpoint would otherwise read 0 here and burst later.
         self.start_version = versions.current() if start_version is None else start_version
-        self._queue: deque[G] = deque()
+        self._queue: deque[tuple[int, G]] = deque()  # (order, group), in arrival order
         self.stats = ReplayStats()
 
     def __len__(self) -> int:
@@ -275,7 +305,7 @@ class ReplayPolicy(Generic[G]):
 
     def queued(self) -> tuple[G, ...]:
         """The queued groups, oldest first (a checkpoint gives their prompts back to the cursor)."""
-        return tuple(self._queue)
+        return tuple(group for _, group in self._queue)
 
     # ------------------------------------------------------------------------------ versions
     def version(self) -> int:
@@ -317,19 +347,26 @@ class ReplayPolicy(Generic[G]):
         self.stats.abandoned += n
 
     # ------------------------------------------------------------------------------- arrival
-    def on_group(self, group: G) -> str:
-        """Classify an arriving group, queue it if accepted, and return the outcome."""
+    def on_group(self, group: G, order: int | None = None) -> str:
+        """Classify an arriving group, queue it if accepted, and return the outcome. ``order``: its prompt's
+        admission order (batch order ``admission`` hands out by it; default: the arrival order)."""
         if self.stats.running < 1:
             raise ValueError("a group arrived with no admitted prompt running (never admitted?)")
         accuracies = tuple(group.accuracies)
         outcome = self._classify(group)  # may raise: decide before changing any counter
-        self.stats.received += 1
-        self.stats.received_samples += len(accuracies)
-        self.stats.received_correct += sum(map(bool, accuracies))
+        stats, tokens = self.stats, int(group.num_tokens)
+        stats.received += 1
+        stats.received_samples += len(accuracies)
+        stats.received_correct += sum(map(bool, accuracies))
+        stats.received_tokens += tokens
+        stats._window_tokens += tokens
+        stats._window_samples += len(accuracies)
+        self._arrivals += 1
         if outcome == ACCEPTED:
-            self._enqueue(group)
+            self._enqueue(group, self._arrivals if order is None else order)
         else:
-            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            setattr(stats, outcome, getattr(stats, outcome) + 1)
+            stats.wasted_tokens["stale" if outcome == DROPPED_STALE else "filtered"] += tokens
         return outcome
 
     def _classify(self, group: GroupLike) -> str:
@@ -344,39 +381,70 @@ class ReplayPolicy(Generic[G]):
             return ACCEPTED
         return filter_outcome(metric_values(group, self.filter_metric), accuracies)
 
-    def _enqueue(self, group: G) -> None:
+    def _enqueue(self, group: G, order: int) -> None:
         if len(self._queue) >= self.capacity:
-            self._queue.popleft()  # the oldest is the nearest to going stale anyway
+            _, oldest = self._queue.popleft()  # the oldest is the nearest to going stale anyway
             self.stats.dropped_capacity += 1
-        self._queue.append(group)
+            self.stats.wasted_tokens["capacity"] += int(oldest.num_tokens)
+        self._queue.append((order, group))
         self.stats.accepted += 1
         self.stats.depth = len(self._queue)
 
     # ------------------------------------------------------------------------------ hand-out
-    def take_batch(self, version: int | None = None) -> list[G] | None:
-        """Drop queued groups stale at ``version`` (default: the current version), then return the B
-        oldest, or None (removing nothing more) when fewer than B remain.
+    def take_batch(self, version: int | None = None, oldest_running: int | None = None,
+                   force: bool = False) -> list[G] | None:
+        """Drop queued groups stale at ``version`` (default: the current version), then return B groups in
+        the batch order, or None (removing nothing more) when fewer than B remain.
 
         Pass the LEARNER's version when it runs ahead of the engines' (a push still in flight): the
-        per-sample guarantee is about the weights the batch is trained on."""
+        per-sample guarantee is about the weights the batch is trained on. Order ``admission``: also None
+        while ``oldest_running`` (the earliest admission order still running) is before the last of the B
+        earliest-admitted queued groups, unless ``force`` (the caller's bound on waiting for it ran out)."""
         version = self.version() if version is None else version
         self._drop_stale(version)
         if len(self._queue) < self.batch_groups:
             return None
-        batch = [self._queue.popleft() for _ in range(self.batch_groups)]
+        if self.batch_order == "arrival":
+            picked = [self._queue.popleft() for _ in range(self.batch_groups)]
+        else:
+            ranked = sorted(self._queue, key=lambda entry: entry[0])[:self.batch_groups]
+            if oldest_running is not None and oldest_running < ranked[-1][0] and not force:
+                return None
+            chosen = {id(entry) for entry in ranked}
+            self._queue = deque(entry for entry in self._queue if id(entry) not in chosen)
+            picked = ranked
+        batch = [group for _, group in picked]
         self.stats.depth = len(self._queue)
         self.stats.handed_out += len(batch)
-        self._record_staleness([self.staleness(group, version) for group in batch])
+        self._record_batch(batch, [self.staleness(group, version) for group in batch])
         return batch
 
+    def blocked_by_running(self, version: int | None = None, oldest_running: int | None = None) -> bool:
+        """Order ``admission``: B fresh groups are queued but an earlier admission is still running (what a
+        caller times to bound the wait)."""
+        version = self.version() if version is None else version
+        fresh = sorted(order for order, group in self._queue if not self.is_stale(group, version))
+        return (self.batch_order == "admission" and len(fresh) >= self.batch_groups and oldest_running is not None
+                and oldest_running < fresh[self.batch_groups - 1])
+
     def _drop_stale(self, version: int) -> None:
-        fresh = deque(group for group in self._queue if not self.is_stale(group, version))
-        self.stats.dropped_stale_at_handout += len(self._queue) - len(fresh)
+        fresh = deque(entry for entry in self._queue if not self.is_stale(entry[1], version))
+        if len(fresh) < len(self._queue):
+            self.stats.dropped_stale_at_handout += len(self._queue) - len(fresh)
+            self.stats.wasted_tokens["stale"] += sum(int(g.num_tokens) for _, g in self._queue) - sum(
+                int(g.num_tokens) for _, g in fresh)
         self._queue = fresh
         self.stats.depth = len(fresh)
 
-    def _record_staleness(self, values: list[int]) -> None:
+    def _record_batch(self, batch: list[G], values: list[int]) -> None:
         stats = self.stats
+        samples = sum(len(tuple(group.accuracies)) for group in batch)
+        tokens = sum(int(group.num_tokens) for group in batch)
+        stats.handed_out_samples += samples
+        stats.handed_out_tokens += tokens
+        if stats._window_samples and stats._window_tokens:
+            stats.last_batch_length_ratio = (tokens / max(samples, 1)) / (stats._window_tokens / stats._window_samples)
+        stats._window_tokens = stats._window_samples = 0
         stats.batches += 1
         stats.last_batch_staleness_mean = sum(values) / len(values)
         stats.last_batch_staleness_max = max(values)

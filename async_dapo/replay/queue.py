@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from async_dapo.config import Config, engine_ceiling
+from async_dapo.config import Config, engine_ceiling, resolved_batch_order
 from async_dapo.data.rows import PromptCursor, prompt_ids, train_rows
 from async_dapo.replay.policy import ACCEPTED, ReplayPolicy
 from async_dapo.stream.transport import GroupReceiver, new_secret
@@ -62,6 +62,7 @@ class Ticket:
     version: int  # the engines' version at admission
     engine_rank: int
     admitted_at: float  # time.monotonic() in the queue's process
+    order: int = 0  # admission order (replay.batch_order = admission hands out by it)
 
     def wire(self) -> tuple[str, int, int, int]:
         return self.group_id, self.epoch, self.index, self.version
@@ -77,6 +78,7 @@ class ReplayQueue:
             batch_groups=cfg.algorithm.train_batch_groups, max_staleness=cfg.replay.max_staleness,
             capacity=cfg.replay.capacity_groups, dynamic_sampling=cfg.algorithm.dynamic_sampling.enable,
             versions=self.version, filter_metric=cfg.algorithm.dynamic_sampling.metric,
+            batch_order=resolved_batch_order(cfg.replay.batch_order, cfg.rollout.update_mode),
         )
         self.rows = train_rows(cfg)  # kept: a quarantined row is logged with its content
         self.cursor = self._new_cursor(cfg, self.rows)
@@ -96,6 +98,8 @@ class ReplayQueue:
         self.unexpected = 0  # valid groups for tickets that are not outstanding
         self.last_arrival = time.monotonic()  # or the moment a group was last expected again (silent_s)
         self._since_batch: Counter[str] = Counter()  # arrival outcomes since the last hand-out
+        self._blocked_since: float | None = None  # admission order: B queued, an earlier admission still running
+        self.forced_batches = 0  # admission-order batches handed out when order_wait_s ran out
 
     @staticmethod
     def _new_cursor(cfg: Config, rows: list) -> PromptCursor:
@@ -135,7 +139,7 @@ class ReplayQueue:
             return
         self.last_arrival = time.monotonic()
         try:
-            outcome = self.policy.on_group(group)
+            outcome = self.policy.on_group(group, ticket.order)
         except Exception as exc:  # one bad group must not end the receive task
             log.error("group %s: %r", group.group_id, exc)
             self.tickets[ticket.group_id] = ticket
@@ -227,8 +231,9 @@ class ReplayQueue:
                 self.last_arrival = time.monotonic()
             self.policy.admit(len(picks))
         now = time.monotonic()
-        tickets = [Ticket(f"{e}-{i}-{next(self._serial)}", e, i, self.version.value, engine_rank, now)
-                   for e, i in picks]
+        serials = [next(self._serial) for _ in picks]
+        tickets = [Ticket(f"{e}-{i}-{n}", e, i, self.version.value, engine_rank, now, n)
+                   for (e, i), n in zip(picks, serials)]
         self.tickets.update({t.group_id: t for t in tickets})
         self.wait_seconds["admit"] += time.perf_counter() - t0
         return [t.wire() for t in tickets]
@@ -259,7 +264,7 @@ class ReplayQueue:
         batch: list[Group] = []
 
         def ready() -> bool:
-            got = self.policy.take_batch(learner_version)
+            got = self._take(learner_version)
             batch.extend(got or [])
             return got is not None
 
@@ -274,6 +279,21 @@ class ReplayQueue:
             self._since_batch.clear()
             return {"batch": batch}
         return {"batch": None, "problem": self._problem(), "silent_s": self.silent_s()}
+
+    def _take(self, learner_version: int | None) -> list[Group] | None:
+        """The policy's batch; in admission order, held while an earlier admission still generates, at most
+        replay.order_wait_s from the moment B groups could have made a batch."""
+        oldest = min((t.order for t in self.tickets.values()), default=None)
+        if not self.policy.blocked_by_running(learner_version, oldest):
+            self._blocked_since = None
+            return self.policy.take_batch(learner_version, oldest)
+        now = time.monotonic()
+        self._blocked_since = self._blocked_since or now
+        if now - self._blocked_since < self.cfg.replay.order_wait_s:
+            return None
+        self._blocked_since = None
+        self.forced_batches += 1
+        return self.policy.take_batch(learner_version, oldest, force=True)
 
     def silent_s(self) -> float:
         """Seconds without a group while groups are expected (running > 0): time when nothing could arrive
@@ -312,7 +332,7 @@ class ReplayQueue:
                 "rejected_unexpected": self.unexpected, "retired_prompts": len(self.cursor.retired),
                 # Counted from the ticket table itself, not from the counters (``running`` is derived from them):
                 # a ticket lost without being counted shows as running > open_tickets.
-                "open_tickets": len(self.tickets),
+                "open_tickets": len(self.tickets), "forced_batches": self.forced_batches,
                 "quarantined_prompts": len(self.cursor.quarantined),
                 "skipped_retired": self.cursor.skipped, "version": self.version.value,
                 "admission_limit": self.policy.admission_limit(), "capacity_to_admit": self.policy.capacity_to_admit(),

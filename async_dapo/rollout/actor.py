@@ -16,7 +16,8 @@ Weight updates, three modes (``rollout.update_mode``), all exact about per-token
   load, continue; the rest of each sample is generated, and its cache recomputed, with the new weights.
   Per-token versions come from SGLang's ``weight_versions`` spans.
 * ``drain``: stop admitting, wait until every running sample finished, load, admit again.
-* ``abort``: abort running requests, load, resample the aborted ones from scratch.
+* ``abort``: abort running requests and wait (10 ms checks) until the engine dropped them, load, resample
+  the aborted ones from scratch.
 The load itself (and joining or leaving the weight-update group) is ``async_dapo.weights.sync``'s engine
 end; a refused load raises here, and the caller fails the sender rather than leaving it hanging.
 
@@ -131,6 +132,7 @@ class _Stats:
     samples: int = 0
     gen_tokens: int = 0
     resampled: int = 0
+    aborted_tokens: int = 0  # tokens of requests aborted (by an abort-mode update or the engine): never trained
     failed_groups: int = 0
     updates: int = 0
     update_seconds: float = 0.0
@@ -218,6 +220,7 @@ class EngineSession:
         for i, out in enumerate(outs):
             if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
                 self.stats.resampled += 1
+                self.stats.aborted_tokens += len(out.get("output_ids") or ())
                 redraw.append((i, self.sample_once(prompt_ids, params, int(updates == self.updates_started))))
             else:
                 out["_start_version"], out["_seconds"] = start_version, seconds
@@ -240,6 +243,7 @@ class EngineSession:
                 out["_seconds"] = time.perf_counter() - t0
                 return out
             self.stats.resampled += 1
+            self.stats.aborted_tokens += len(out.get("output_ids") or ())
             if updates == self.updates_started:
                 foreign_aborts += 1
                 if foreign_aborts > self.cfg.rollout.max_abort_retries:
@@ -413,16 +417,24 @@ class EngineSession:
                 await asyncio.wait({task}, timeout=1.0)
 
     # ------------------------------------------------------------------ weights
-    async def _until_idle(self) -> None:
-        """Wait until the engine has no running request (drain mode). SGLang offers no completion event
-        for "all requests done", so this polls its request table every 10 ms."""
+    async def _until_idle(self, mode: str) -> None:
+        """Wait until the engine has no running request (drain: they finish; abort: they were aborted).
+        SGLang offers no completion event for "all requests done", so this polls its request table every
+        10 ms."""
         timeout_s = self.cfg.rollout.drain_timeout_s
         deadline = time.monotonic() + timeout_s
         while self.tm.rid_to_state:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"drain: {len(self.tm.rid_to_state)} requests still running after "
+                raise TimeoutError(f"{mode}: {len(self.tm.rid_to_state)} requests still running after "
                                    f"{timeout_s:.0f} s (rollout.drain_timeout_s)")
             await asyncio.sleep(0.01)
+
+    async def _abort_running(self) -> None:
+        """Abort mode: abort every running request, then wait until the engine dropped them. SGLang's own
+        pause_generation(mode="abort") re-checks at 1 s intervals, which cost every abort-mode update at
+        least a second whenever a request was running; this checks every 10 ms."""
+        self.tm.abort_request(abort_all=True)
+        await self._until_idle("abort")
 
     async def update(self, buckets, group_name: str, version: int, mode: str) -> float:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
@@ -436,11 +448,13 @@ class EngineSession:
         try:  # everything after the clear: a failed drain or pause must not leave the engine refusing work
             if mode == "drain":
                 self.admitting.clear()
-                await self._until_idle()
+                await self._until_idle("drain")
                 self.loading_since = time.monotonic()
             else:
-                pause = PauseGenerationReqInput(mode="retract" if mode == "inflight" else "abort")
-                await self.tm.pause_generation(pause)
+                if mode == "abort":
+                    await self._abort_running()
+                # retract: a request that slipped in after the abort resumes on the new weights (as inflight)
+                await self.tm.pause_generation(PauseGenerationReqInput(mode="retract"))
             await weight_sync.load(self.tm, buckets, group_name, version)
             self.version = version
         finally:

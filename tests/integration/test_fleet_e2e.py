@@ -140,6 +140,7 @@ def _first_event(run_dir: Path, event: str, proc, timeout: float, after: float =
     return found[0]
 
 
+CAP = 5000  # learner.total_steps: far beyond what each test needs; it ends its run with `async-dapo stop`
 DEFAULT_HC = 30.0  # placement.health_check_timeout_s's default: this test leaves every timeout at its default
 
 
@@ -158,9 +159,8 @@ def test_hangs_in_a_push_and_before_a_join_cost_the_learner_one_detection_each(t
     The learner's longest step over the whole run is asserted against health_check_timeout_s + the run's
     median step."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
-    steps = 300  # outlasts two engine starts and both detections here (the second replacement served at step 213)
     cmd = [sys.executable, "-m", "async_dapo.cli", "train", "--config", str(CPU_CONFIG),
-           "--set", f"logging.run_dir={run_dir}", *SMALL, *TWO_ENGINES, "--set", f"learner.total_steps={steps}"]
+           "--set", f"logging.run_dir={run_dir}", *SMALL, *TWO_ENGINES, "--set", f"learner.total_steps={CAP}"]
     proc = _start(cmd, log)
     stopped: list[int] = []
     try:
@@ -171,7 +171,9 @@ def test_hangs_in_a_push_and_before_a_join_cost_the_learner_one_detection_each(t
         stopped += _sigstop(up["pid"])  # before it joined: it must never serve
         t_stop2 = time.time()
         joined = _first_event(run_dir, "joined", proc, 600)
-        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+        _wait(lambda: any(m.get("rollout/1/batch_share", 0.0) > 0 for m in _train_rows(run_dir)
+                          if m["time"] > joined["time"]), proc, 200, "a step with the second replacement's groups")
+        steps = _stop_and_finish(run_dir, proc, log)
     finally:
         _end(proc)
     rows, events = _train_rows(run_dir), _events(run_dir)
@@ -200,6 +202,19 @@ def test_hangs_in_a_push_and_before_a_join_cost_the_learner_one_detection_each(t
     _assert_prompts_trained_once(run_dir)
 
 
+def _stop_and_finish(run_dir: Path, proc, log: Path) -> int:
+    """``async-dapo stop``: the run makes its current step the last, checkpoints it and exits 0 (the test
+    ends the run once it has seen what it asserts, whatever the machine's speed). Returns the steps trained."""
+    done = subprocess.run([sys.executable, "-m", "async_dapo.cli", "stop", str(run_dir)],
+                          cwd=REPO, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    steps = len(_train_rows(run_dir))
+    assert steps < CAP, "the run reached learner.total_steps before it was asked to stop"
+    assert "stop requested" in log.read_text() and (run_dir / "checkpoints" / f"step_{steps}" / "meta.json").exists()
+    return steps
+
+
 def _scale(run_dir: Path, engines: int) -> None:
     done = subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", str(engines)],
                           cwd=REPO, timeout=60, capture_output=True, text=True)
@@ -217,9 +232,8 @@ def test_engines_scale_and_one_is_killed_while_the_run_trains(tiny_model, tmp_pa
     3. once the replacement's groups are trained, ``--engines 1`` removes it: its in-flight prompts are released and every admitted prompt is accounted
        for."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
-    steps = 220  # outlasts two engine starts and a removal here (the removal came at step 151-161)
     proc = _start(_cmd(run_dir, "--set", "placement.max_engines=2", "--set", "placement.engine_cpus=0.5",
-                       "--set", f"learner.total_steps={steps}"), log)
+                       "--set", f"learner.total_steps={CAP}"), log)
     try:
         _wait(lambda: len(_train_rows(run_dir)) >= 3, proc, 600, "step 3")
         refused = subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", "3"],
@@ -237,8 +251,8 @@ def test_engines_scale_and_one_is_killed_while_the_run_trains(tiny_model, tmp_pa
         _scale(run_dir, 1)
         removed = _first_event(run_dir, "removed", proc, 200, after=replaced["time"])
         removed_at = len(_train_rows(run_dir))
-        assert removed_at < steps - 2, "the run ended before the scale-down could be seen"
-        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+        _wait(lambda: len(_train_rows(run_dir)) >= removed_at + 3, proc, 200, "3 steps after the scale-down")
+        steps = _stop_and_finish(run_dir, proc, log)
     finally:
         _end(proc)
     rows, text = _train_rows(run_dir), log.read_text()

@@ -157,8 +157,10 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
     # long requests, and a prefill emits each request's first token: so every long request has at least
     # one token from the old weights when the update arrives.
     ray.get(actor.generate.remote(prompts[:1], {"max_new_tokens": 1}), timeout=120)
-    _push(actor, pg, named, version, mode)
+    seconds = _push(actor, pg, named, version, mode)
     outs = ray.get(running, timeout=600)
+    if mode == "abort":  # SGLang's pause_generation(abort) re-checked every 1 s: a second per update at least
+        assert seconds < 1.0, seconds
 
     new_state = dict(named)
     for prompt, out in zip(prompts, outs):

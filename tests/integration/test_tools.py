@@ -57,8 +57,10 @@ def test_calibrate_quick(tmp_path):
     from async_dapo.planning import Shape, load_profile, predict
 
     out = tmp_path / "tiny.yaml"
+    # phase f (the learner against 1 and 2 ranks) is left out here: its fit is checked on synthetic cells
+    # (tests/unit/test_calibrate_fit.py) and it would add a minute; the figures below are phase c's
     log = _run(["tools/bench/calibrate.py", "--config", "configs/tiny_cpu.yaml", "--model", "models/tiny_cpu",
-                "--out", str(out), "--quick"], 600)
+                "--out", str(out), "--quick", "--phases", "engine", "actor", "learner", "push", "contention"], 600)
     profile = load_profile(out)
     for part in (profile.engine, profile.learner, profile.push, profile.contention):
         for key, value in part.model_dump().items():
@@ -68,7 +70,7 @@ def test_calibrate_quick(tmp_path):
     assert profile.learner.per_token_s > 0 and profile.push.bytes > 0
     assert profile.contention.engine_slowdown >= 1 and profile.contention.learner_slowdown >= 1
     w = profile.workload
-    assert w.response_lengths and min(w.response_lengths) >= 1 and 0 < w.keep_rate <= 1 and w.prompt_tokens > 0
+    assert w.prompts and w.keep_rate is None and w.prompt_tokens > 0
     assert {"decode", "learner", "push", "contention", "per_group_s"} <= set(profile.sources)
     cfg = load_config(REPO / "configs/tiny_cpu.yaml", [])
     pred = predict(profile, Shape.from_config(cfg), steps=20, warmup=4)
@@ -86,12 +88,27 @@ def _assert_calibration_follows_its_measurements(profile, log: str, cfg) -> None
 
     from transformers import AutoTokenizer
 
+    from async_dapo.planning import Shape, predict
+    from async_dapo.planning.workload import keep_rate
+
     from async_dapo.data.rows import encode_prompt, train_rows
 
     r, e = cfg.rollout, profile.engine
-    # the warm-start lengths: 16 prompts x n real samples, within the response budget
-    lengths = profile.workload.response_lengths
-    assert len(lengths) == 16 * r.n and max(lengths) <= r.max_response_length, lengths
+    # the warm start as whole groups: 16 prompts x n real samples, within the response budget, scored
+    records = profile.workload.prompts
+    assert len(records) == 16 and {len(x.lengths) for x in records} == {r.n}
+    lengths = profile.workload.all_lengths()
+    assert min(lengths) >= 1 and max(lengths) <= r.max_response_length, lengths
+    # keep for a group size calibration never used (2n) is the closed form from each prompt's accuracy,
+    # and the simulator's keep converges on it
+    p = [sum(x.correct) / r.n for x in records]
+    by_hand = statistics.fmean(1 - q ** (2 * r.n) - (1 - q) ** (2 * r.n) for q in p)
+    assert keep_rate(profile.workload, 2 * r.n) == pytest.approx(by_hand, abs=1e-12)
+    at_n = statistics.fmean(0 < sum(x.correct) < r.n for x in records)
+    assert keep_rate(profile.workload, r.n) == at_n
+    if 0 < by_hand:
+        pred = predict(profile, Shape.from_config(cfg).with_(G=2 * r.n), steps=60, warmup=10, sync_baseline=False)
+        assert pred.keep_rate == pytest.approx(by_hand, abs=0.1), (pred.keep_rate, by_hand)
     # the engine phase's prompts (the first 128 training rows: --quick's largest n) and its KV-cache bound
     tok = AutoTokenizer.from_pretrained(REPO / "models/tiny_cpu")
     rows = train_rows(cfg)

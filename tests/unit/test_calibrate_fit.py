@@ -92,3 +92,35 @@ def test_learner_fit_without_a_token_spread_charges_everything_per_token():
     """Batches of (nearly) equal size show no slope: base 0, per token = mean s / mean tokens."""
     base, slope, how = calibrate.fit_learner([1.0, 1.1, 0.9], [10000, 10100, 9900])
     assert base == 0.0 and slope == pytest.approx(1.0 / 10000) and "vary by" in how
+
+
+def test_learner_ranks_fit_recovers_a_synthetic_learner_and_its_collectives():
+    """tools/bench/learner_ranks.py's fits on cells generated from known figures (1 % noise): 1 rank
+    gives per-token, per-micro-batch and per-update seconds and the forward share; 2 ranks the bandwidth."""
+    import learner_ranks
+
+    truth = {"step_base_s": 0.05, "per_token_s": 2e-5, "per_micro_batch_s": 0.01, "per_update_s": 0.04}
+    share, nbytes, bw = 0.3, 4e6, 2e8  # collectives per micro-batch per rank: 3 x 4e6 x 1/2 / 2e8 = 0.03 s
+    rng = random.Random(3)
+    rows = {1: [], 2: []}
+    for tokens in (8192, 14336):
+        for micro_1, micro_2, updates, mode in ((1, 1, 1, "naive"), (4, 2, 1, "naive"), (2, 2, 2, "naive"),
+                                                (2, 2, 2, "decoupled")):
+            first = tokens // updates
+            for R, micro in ((1, micro_1), (2, micro_2)):
+                s = (truth["step_base_s"] + truth["per_token_s"] * tokens / R + truth["per_micro_batch_s"] * micro
+                     + truth["per_update_s"] * updates / R)
+                if R == 2:
+                    s += micro * 3 * nbytes * 0.5 / bw
+                if mode != "naive":
+                    s += share * truth["per_token_s"] * (tokens - first) / R
+                rows[R].append({"batch": str(tokens), "micro_batch_tokens": 8192 // micro_1,
+                                "mini_batch_groups": 64 // updates, "mode": mode, "tokens": tokens,
+                                "first_mini_batch_tokens": first, "micro": micro, "updates": updates,
+                                "s": _noisy(rng, s)})
+    part, resid = learner_ranks.fit_one_rank(rows[1])
+    for key, value in truth.items():
+        assert part[key] == pytest.approx(value, rel=0.25, abs=2e-3), (key, part)
+    assert part["forward_share"] == pytest.approx(share, abs=0.15)
+    extra, _ = learner_ranks.fit_two_ranks(part, rows[2], nbytes)
+    assert extra["collective_bandwidth_bytes_per_s"] == pytest.approx(bw, rel=0.25)

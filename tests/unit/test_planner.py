@@ -116,6 +116,32 @@ def test_trained_groups_are_never_staler_than_eta(eta, k, mode):
     assert max(pred.staleness_hist) == pred.staleness_max
 
 
+@pytest.mark.parametrize("eta", [1, 4])
+def test_admission_order_trains_the_population_it_admitted(eta):
+    """Every group kept, in-flight updates, a long tail: admission order trains the admitted groups in order,
+    so nothing goes stale and the trained responses are the finished ones (ratio 1); arrival order trains
+    the first to finish, and the long groups that finish late are dropped stale (ratio well below 1)."""
+    prof = profile(**{**LONG_TAIL, "workload": {**LONG_TAIL["workload"], "keep_rate": 1.0}})
+    shape = Shape(B=8, G=4, eta=eta, max_inflight_prompts=(eta + 1) * 8, max_response_length=400)
+    arrival = predict(prof, shape, 60, 10, sync_baseline=False)
+    admission = predict(prof, shape.with_(batch_order="admission"), 60, 10, sync_baseline=False)
+    assert admission.trained_length_ratio == pytest.approx(1.0, abs=0.01) and admission.dropped_stale == 0
+    assert arrival.trained_length_ratio < 0.9 and arrival.dropped_stale > 0, arrival
+    assert admission.staleness_max <= eta and sum(admission.staleness_hist.values()) == 50 * 8
+    with pytest.raises(ValueError, match="batch_order"):
+        shape.with_(batch_order="target")
+
+
+def test_batch_order_auto_is_admission_only_under_abort():
+    from async_dapo.config import load_config, resolved_batch_order
+
+    assert [resolved_batch_order("auto", m) for m in pl.UPDATE_MODES] == ["arrival", "arrival", "admission"]
+    assert [resolved_batch_order(o, "abort") for o in ("arrival", "admission")] == ["arrival", "admission"]
+    cfg = load_config("configs/tiny_cpu.yaml", ["rollout.update_mode=abort"])
+    assert cfg.replay.batch_order == "auto" and Shape.from_config(cfg).batch_order == "admission"
+    assert Shape.from_config(load_config("configs/tiny_cpu.yaml", [])).batch_order == "arrival"
+
+
 def test_abort_wastes_tokens_and_drain_idles_the_engines():
     prof = profile(**{**LONG_TAIL, "push": {"engine_pause_s": 2.0}})
     shape = Shape(B=8, G=4, eta=2, max_inflight_prompts=24, max_response_length=400)
@@ -192,6 +218,10 @@ def test_validate_compares_each_row(tmp_path):
     assert rows[1]["steps_per_s_err"] == pytest.approx(1 / 1.25 - 1) and not rows[1]["steps_per_s_ok"]
     assert rows[1]["staleness_mean_err"] == pytest.approx(-0.2) and rows[1]["staleness_mean_ok"]
     assert not rows[1]["rollout_idle_ok"] and not rows[1]["ok"]
+    # a row's batch order (the benchmark writes it, resolved) is the one predicted; older tables have none
+    for_row = pl.bench_row_shape(base.with_(update_mode="abort"))
+    assert for_row({"eta": "2", "batch_order": "admission"}).batch_order == "admission"
+    assert for_row({"eta": "2"}).batch_order == "arrival"
 
 
 def test_recommend_searches_the_split_and_keeps_the_staleness_bound():

@@ -60,16 +60,21 @@ class Grp:
     accuracies: tuple[bool, ...] = MIXED
     scores: tuple[float, ...] = ()  # reward-function scores (metric score)
     rewards: tuple[float, ...] = ()  # score + overlong penalty (metrics seq_reward, seq_final_reward)
+    num_tokens: int = 0  # response tokens over the samples
 
 
-def grp(min_version: int = 0, accuracies: tuple[bool, ...] = MIXED, scores=None, rewards=None) -> Grp:
-    """Scores default to the built-in reward's +1/-1, rewards to the scores (no overlong penalty)."""
+def grp(min_version: int = 0, accuracies: tuple[bool, ...] = MIXED, scores=None, rewards=None,
+        tokens: int | None = None) -> Grp:
+    """Scores default to the built-in reward's +1/-1, rewards to the scores (no overlong penalty); every
+    sample 10 response tokens unless ``tokens`` (the group's total) says otherwise."""
     scores = tuple(1.0 if a else -1.0 for a in accuracies) if scores is None else tuple(scores)
-    return Grp(f"g{next(_ids)}", min_version, accuracies, scores, scores if rewards is None else tuple(rewards))
+    return Grp(f"g{next(_ids)}", min_version, accuracies, scores, scores if rewards is None else tuple(rewards),
+               10 * len(accuracies) if tokens is None else tokens)
 
 
 def make(
-    *, b: int, eta: int, capacity: int | None = None, ds: bool = True, start: int = 0, metric: str = "acc"
+    *, b: int, eta: int, capacity: int | None = None, ds: bool = True, start: int = 0, metric: str = "acc",
+    order: str = "arrival",
 ) -> tuple[ReplayPolicy[Grp], FakeVersionSource]:
     versions = FakeVersionSource(start)
     policy: ReplayPolicy[Grp] = ReplayPolicy(
@@ -79,6 +84,7 @@ def make(
         dynamic_sampling=ds,
         versions=versions,
         filter_metric=metric,
+        batch_order=order,
     )
     return policy, versions
 
@@ -202,6 +208,58 @@ def test_dynamic_sampling_drops_counted_by_reason():
     assert {DROPPED_ALL_CORRECT, DROPPED_ALL_WRONG} <= FREES_ADMISSION
     # Every received sample counts, kept or dropped: 2 + 3 + 1 + 3 samples, 2 + 0 + 1 + 2 of them correct.
     assert (s.received_samples, s.received_correct) == (9, 5)
+
+
+def test_wasted_tokens_by_reason_and_the_trained_length_ratio_hand_computed():
+    policy, versions = make(b=2, eta=0, capacity=4)
+    policy.admit(2)
+    # filtered: an all-correct group of 30 tokens; kept: 20 and 60 tokens (2 samples each)
+    arrive(policy, grp(accuracies=ALL_CORRECT, tokens=30), grp(tokens=20))
+    policy.admit()
+    arrive(policy, grp(tokens=60))
+    batch = policy.take_batch()
+    s = policy.stats
+    assert [g.num_tokens for g in batch] == [20, 60] and s.wasted_tokens == {"filtered": 30, "stale": 0, "capacity": 0}
+    # batch: 80 tokens over 4 samples = 20 per sample; arrivals since the last batch: 110 over 6 samples
+    assert s.last_batch_length_ratio == pytest.approx(20 / (110 / 6), rel=1e-12)  # 12/11
+    assert (s.received_tokens, s.handed_out_tokens, s.handed_out_samples) == (110, 80, 4)
+    versions.advance()
+    policy.admit(2)
+    arrive(policy, grp(0, tokens=40))  # v = 1, η = 0: stale on arrival
+    assert s.wasted_tokens["stale"] == 40
+    assert policy.stats.snapshot()["wasted_tokens/stale"] == 40
+
+
+def test_admission_order_waits_for_an_earlier_admission_unless_forced():
+    policy, _ = make(b=2, eta=1, order="admission")
+    policy.admit(4)
+    # admitted as orders 0, 1, 2, 3; order 2 and 3 arrive first (short), then 1; order 0 still generating
+    short2, short3, long1 = grp(tokens=4), grp(tokens=5), grp(tokens=90)
+    policy.on_group(short2, order=2)
+    policy.on_group(short3, order=3)
+    assert policy.blocked_by_running(oldest_running=0)
+    assert policy.take_batch(oldest_running=0) is None and len(policy) == 2
+    policy.on_group(long1, order=1)
+    assert policy.take_batch(oldest_running=0) is None  # 1 and 2 are the earliest queued; 0 is before them
+    assert policy.take_batch(oldest_running=0, force=True) == [long1, short2]  # the wait bound ran out
+    assert policy.queued() == (short3,) and policy.stats.handed_out_tokens == 94
+
+
+def test_admission_order_hands_out_the_earliest_admitted_once_nothing_earlier_runs():
+    policy, _ = make(b=2, eta=1, order="admission")
+    policy.admit(3)
+    late, early, middle = grp(tokens=1), grp(tokens=2), grp(tokens=3)
+    policy.on_group(late, order=7)
+    policy.on_group(early, order=5)
+    policy.on_group(middle, order=6)
+    assert not policy.blocked_by_running(oldest_running=None)
+    assert policy.take_batch(oldest_running=None) == [early, middle] and policy.queued() == (late,)
+    # arrival order (the default) takes the first two that arrived
+    arrival, _ = make(b=2, eta=1)
+    arrival.admit(3)
+    for g, order in ((late, 7), (early, 5), (middle, 6)):
+        arrival.on_group(g, order=order)
+    assert arrival.take_batch() == [late, early] and not arrival.blocked_by_running(oldest_running=0)
 
 
 def test_dynamic_sampling_off_accepts_all_fresh_groups():
@@ -467,6 +525,7 @@ class SimGroup:
     accuracies: tuple[bool, ...]
     scores: tuple[float, ...]
     rewards: tuple[float, ...]
+    num_tokens: int = 0
 
 
 class Sim:

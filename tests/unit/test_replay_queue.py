@@ -334,3 +334,40 @@ def test_a_released_producer_cannot_admit_again(cfg):
             await svc.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("order", ["replay.batch_order=admission", "rollout.update_mode=abort"])  # auto: abort
+def test_admission_order_waits_for_the_earliest_admitted_group_then_forces_after_order_wait_s(order):
+    async def scenario():
+        svc = ReplayQueue(_cfg("replay.max_staleness=2", order, "replay.order_wait_s=1.5"))
+        sender = await _connected(svc)
+        try:
+            tickets = await svc.admit(0, 3)  # admitted in this order
+            assert len(tickets) == 3
+            sender.send(_group(tickets[1], [True, False]))
+            sender.send(_group(tickets[2], [False, True]))
+            await _until(lambda: _stat(svc, "accepted", 2))
+            # B = 2 groups are queued but ticket 0, admitted before both, is still generating: no batch
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            assert (await svc.get_batch(wait_s=0.5))["batch"] is None
+            sender.send(_group(tickets[0], [True, False]))
+            got = await asyncio.wait_for(svc.get_batch(wait_s=5), 6)
+            assert [g.group_id for g in got["batch"]] == [tickets[0][0], tickets[1][0]]  # admission order
+            assert loop.time() - t0 < 1.5 and (await svc.stats())["forced_batches"] == 0
+            # now ticket 3 runs long: ticket 2 and the later ticket 4 are queued; the batch waits order_wait_s
+            later = await svc.admit(0, 2)
+            sender.send(_group(later[1], [True, False]))
+            await _until(lambda: _stat(svc, "accepted", 4))
+            t0 = loop.time()
+            got = await asyncio.wait_for(svc.get_batch(wait_s=5), 6)
+            waited = loop.time() - t0
+            assert [g.group_id for g in got["batch"]] == [tickets[2][0], later[1][0]]
+            assert 1.0 <= waited < 4.0, waited  # order_wait_s = 1.5 (the receive loop wakes every second)
+            stats = await svc.stats()
+            assert stats["forced_batches"] == 1 and stats["open_tickets"] == 1  # later[0] still running
+        finally:
+            sender.close()
+            await svc.close()
+
+    asyncio.run(scenario())

@@ -45,8 +45,8 @@ class FakeTM:
         self.calls += 1
         return kind
 
-    def abort_request(self, rid):
-        self.aborted.append(rid)
+    def abort_request(self, rid="", abort_all=False):
+        self.aborted.append("<all>" if abort_all else rid)
 
 
 def _session(script, *overrides):
@@ -247,6 +247,18 @@ def test_a_failed_pause_or_drain_does_not_wedge_the_engine(mode):
     assert s.version == 0 and s.tm.continued == (0 if mode == "drain" else 1)
     # and the engine samples again at once
     assert asyncio.run(asyncio.wait_for(s.sample_once([1], {}), 5))["output_ids"] == [5]
+
+
+def test_an_abort_update_aborts_every_request_and_its_wait_is_bounded():
+    """update(abort): every running request is aborted at once, and the wait for them to leave the engine
+    is bounded by rollout.drain_timeout_s; the update fails naming it and the engine samples again."""
+    s = _session(["ok"], "rollout.drain_timeout_s=0.2")
+    s.tm = PausingTM(fail_pause=False)  # a request that never leaves the table
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"abort: 1 requests still running after 0 s \(rollout.drain_timeout_s\)"):
+        asyncio.run(s.update([], "g", 1, "abort"))
+    assert 0.2 <= time.monotonic() - t0 < 2 and s.tm.aborted == ["<all>"]
+    assert s.weights_ready.is_set() and s.admitting.is_set() and s.version == 0 and s.tm.continued == 1
 
 
 def test_a_timed_out_call_is_cancelled_and_its_requests_aborted():

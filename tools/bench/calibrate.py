@@ -18,13 +18,17 @@ a. ``engine``: a bare in-process ``sglang.Engine`` (async_dapo.rollout.engine.st
    decode_per_seq_s, decode_per_ctx_token_s; prefill_per_token_s = slope of wall(n, 1) over the prompt
    tokens. max_running_seqs = min(max_inflight_prompts × n, max_total_tokens / (prompt + max_response/2)).
    Points whose context would not fit in max_total_tokens are skipped (the engine would queue them).
+   Then the warm start as whole groups: the run's first 256 training prompts (16 with --quick) in the
+   queue's own seeded order x n samples, scored by the run's reward ->
+   workload.prompts (per prompt: its samples' lengths and outcomes; the planner derives keep for any G).
 b. ``actor``: generation alone through the real rollout actor and replay queue (as throughput.generate_only,
    with the config's window: rollout.max_inflight_prompts; the queue's staleness and capacity opened so
-   admission never binds). Gives workload.response_lengths (every sample of the accepted batches),
-   prompt_tokens, keep_rate = accepted / (accepted + dynamic-sampling drops) from the queue's counters, and
+   admission never binds). Gives prompt_tokens, the keep rate measured = accepted / (accepted +
+   dynamic-sampling drops) from the queue's counters (a check on the keep derived from a's groups; without
+   phase a, it and the accepted batches' lengths are the workload's keep_rate and response_lengths), and
    per_group_s = max(0, (measured s/batch - planner's s/batch) / groups received per batch), the planner's
-   figure being the planner itself run with per_group_s = 0, a free learner and no push (same window,
-   keep_rate and lengths).
+   figure being the planner itself run with per_group_s = 0, a free learner and no push (same window, and
+   phase b's own keep rate and lengths).
 c. ``learner``: the batches of b replayed into the learner ranks with the engines idle (as
    throughput.train_only): step seconds fitted to step_base_s + epochs · per_token_s · tokens / R, tokens =
    prompt + response tokens of the batch; when the token counts vary by < 10 %, step_base_s = 0 and
@@ -35,6 +39,10 @@ d. ``push``: weight pushes learner -> engines with the engines idle (as tools/be
 e. ``contention``: the engines generate (as in b) while the learner re-trains the batches of c in a loop:
    engine_slowdown = alone received-groups/s / overlapped, learner_slowdown = overlapped step s / alone
    (both clipped at >= 1.0).
+
+f. ``ranks``: the learner against ranks (tools/bench/learner_ranks.py: the real learner rank on 1 and 2
+   processes over gloo, no Ray): per-token, per-micro-batch, per-update and collective figures, which replace
+   c's two-figure fit in the profile; c's steps are predicted by them as a check.
 
 ``--quick``: fewer points and batches (a CI-size smoke, about 3 minutes with the tiny model on 2 cores; its
 numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
@@ -58,7 +66,7 @@ sys.path.insert(0, str(HERE.parent))  # tools/: common.py
 sys.path.insert(0, str(HERE))  # tools/bench/: throughput.py, push.py
 import common  # noqa: E402
 
-PHASES = ("engine", "actor", "learner", "push", "contention")
+PHASES = ("engine", "actor", "learner", "push", "contention", "ranks")
 ROLE_SETS = ["replay.max_staleness=1000", "replay.capacity_groups=1000000"]  # admission never binds (throughput)
 
 
@@ -122,8 +130,10 @@ def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
                     f"{points[-1][3] * 1e3:.3f} ms/iteration")
             if walls1:
                 pre.append((n * ptok, statistics.median(walls1)))
-        lengths = sample_lengths(engine, tok, rows, cfg, 16 if quick else 64)
-        log(f"engine: warm-start response lengths over {len(lengths)} samples: {quantiles(lengths)}")
+        records = sample_groups(engine, tok, rows, cfg, 16 if quick else 256)
+        lengths = [L for rec in records for L in rec["lengths"]]
+        acc = statistics.mean(c for rec in records for c in rec["correct"])
+        log(f"engine: warm start over {len(records)} prompts x {r.n}: accuracy {acc:.3f}, lengths {quantiles(lengths)}")
     finally:
         engine.shutdown()
     decode, resid = fit_decode(points)
@@ -149,11 +159,11 @@ def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
                             f"{ptok:.1f} + max_response_length/2) = {kv_seqs}, max_running_requests "
                             f"{ec.max_running_requests})",
     }
-    src["response_lengths"] = (f"{when}: the bare engine sampling {len(lengths) // r.n} training prompts x n = "
-                               f"{r.n} with the run's sampling parameters (temperature {r.temperature}, top_p "
-                               f"{r.top_p}, max {r.max_response_length} tokens): every sample, kept or filtered; "
-                               f"quantiles {quantiles(lengths)}")
-    return part, src, ptok, lengths
+    src["prompts"] = (f"{when}: the bare engine sampling {len(records)} training prompts x n = {r.n} with the "
+                      f"run's sampling parameters (temperature {r.temperature}, top_p {r.top_p}, max "
+                      f"{r.max_response_length} tokens), scored by the run's reward: every sample, kept or "
+                      f"filtered; accuracy {acc:.3f}; lengths {quantiles(lengths)}")
+    return part, src, ptok, records
 
 
 def decode_point(n: int, L: int, ptok: float, w1: float, wl: float) -> tuple:
@@ -203,17 +213,31 @@ def quantiles(lengths: list[int]) -> str:
     return f"{qs}, max {xs[-1]}, mean {statistics.mean(xs):.1f}"
 
 
-def sample_lengths(engine, tok, rows, cfg, prompts: int) -> list[int]:
-    """Response lengths of the warm start: ``prompts`` training rows (drawn as training draws them) x n samples,
-    the run's sampling parameters, up to the response budget; all samples, whatever their reward (the actor
-    phase only sees the groups dynamic sampling kept)."""
+def sample_groups(engine, tok, rows, cfg, prompts: int) -> list[dict]:
+    """The warm start as whole groups: ``prompts`` training rows (drawn as training draws them) x n samples
+    with the run's sampling parameters, up to the response budget, each scored by the run's reward function;
+    per prompt its samples' lengths and outcomes (``acc``), whatever the group's fate (the actor phase only
+    sees the groups dynamic sampling kept). The planner derives keep for any group size from these."""
+    from async_dapo.data.reward import load_score_fn
     from async_dapo.data.rows import encode_prompt
 
-    r = cfg.rollout
-    ids = [encode_prompt(tok, rows[i]) for i in range(prompts) for _ in range(r.n)]
+    from async_dapo.data.rows import PromptCursor
+
+    r, score = cfg.rollout, load_score_fn(cfg.reward)
+    # the first prompts of the run's own order (the queue's cursor: a seeded permutation), not of the file
+    # (a file's order can be anything: the synthetic task alternates levels, a dataset may be sorted)
+    order = [index for _, index in PromptCursor(len(rows), seed=cfg.data.shuffle_seed).take(prompts)]
+    ids = [encode_prompt(tok, rows[i]) for i in order for _ in range(r.n)]
     outs = engine.generate(input_ids=ids, sampling_params={"temperature": r.temperature, "top_p": r.top_p,
                                                            "max_new_tokens": r.max_response_length})
-    return [max(1, len(o["output_ids"])) for o in outs]
+    records = []
+    for k, i in enumerate(order):
+        row, mine = rows[i], outs[k * r.n:(k + 1) * r.n]
+        texts = [tok.decode(o["output_ids"], skip_special_tokens=True) for o in mine]
+        records.append({"lengths": [max(1, len(o["output_ids"])) for o in mine],
+                        "correct": [bool(score(row.data_source, t, row.ground_truth, row.extra_info).acc)
+                                    for t in texts]})
+    return records
 
 
 # ------------------------------------------------------------------------------------------ b, c, d, e
@@ -382,7 +406,7 @@ def contention_phase(placed, batches: list, alone_rate: float, alone_steps: list
 
 
 def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, log,
-          lengths: list[int] | None = None) -> dict:
+          records: list[dict] | None = None) -> dict:
     """Phases b-e on one or two placements: b (generation alone) on the first; c, d, e on a second whose
     engines stay idle until e (no rollout can be paused once started)."""
     import ray
@@ -405,13 +429,23 @@ def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, 
         out["gen"] = gen
         out["workload"], src = workload_part(cfg, gen)
         out["sources"].update(src)
-        if lengths is not None:  # every sample, not only the kept groups' (phase b's are kept ones)
+        phase_b = dict(out["workload"])  # what phase b itself generated: per_group_s is derived against it
+        if records is not None:  # whole groups, kept or not (phase b's are the kept ones): keep is derived
+            from async_dapo.planning import Workload
+            from async_dapo.planning.workload import keep_rate
+
+            measured = out["workload"].pop("keep_rate")
             out["sources"]["response_lengths_kept"] = out["sources"].pop("response_lengths")
-            out["workload"]["response_lengths"] = lengths
+            out["sources"]["keep_rate_phase_b"] = out["sources"].pop("keep_rate")
+            out["workload"].pop("response_lengths")
+            out["workload"]["prompts"] = records
+            derived = keep_rate(Workload.model_validate(out["workload"]), cfg.rollout.n)
+            out["sources"]["keep_rate_phase_b"] += f" = {measured:.3f}; derived from prompts: {derived:.3f}"
+            log(f"actor: keep {measured:.3f} measured in phase b, {derived:.3f} derived from the warm start's groups")
         log(f"actor: {gen['g_s']:.3f} s/batch over {count} batches after {warmup}, "
-            f"{gen['received_per_s']:.2f} groups received/s, keep_rate {out['workload']['keep_rate']:.3f}")
+            f"{gen['received_per_s']:.2f} groups received/s, keep_rate {phase_b['keep_rate']:.3f}")
         if engine is not None:
-            pred = engine_only_s_per_batch(cfg, engine, out["workload"])
+            pred = engine_only_s_per_batch(cfg, engine, phase_b)
             per_batch_groups = gen["received"] / count
             out["per_group_s"] = max(0.0, (gen["g_s"] - pred) / per_batch_groups)
             out["sources"]["per_group_s"] = (
@@ -440,6 +474,7 @@ def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, 
                 out["sources"].update(src)
                 log(f"learner: steps {[round(s, 3) for s in seconds]} s, tokens {tokens}")
             alone = seconds[lw:]
+            out["learner_steps"] = (seconds[lw:], tokens[lw:])
         if "push" in phases:
             out["push"], src = push_phase(placed, cfg, 2 if quick else 5)
             out["sources"].update(src)
@@ -454,6 +489,28 @@ def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, 
             placed.shutdown()
         ray.shutdown()
     return out
+
+
+def learner_against_ranks(cfg, got: dict, quick: bool, sources: dict, log) -> dict:
+    """Phase f (tools/bench/learner_ranks.py): the learner part fitted on 1 and 2 real ranks; phase c's
+    steps (the run's own placement and batches), when measured, predicted by it as a check."""
+    import learner_ranks
+
+    from async_dapo.planning import Shape
+    from async_dapo.planning.learner_model import step_seconds
+    from async_dapo.planning.profile import LearnerProfile
+
+    part, how = learner_ranks.calibrate(cfg, [1, 2], quick, 2 if quick else 3, 900, log)
+    sources["learner_ranks"] = f"{_now()}: {how}"
+    if got.get("learner_steps"):
+        seconds, tokens = got["learner_steps"]
+        B = cfg.algorithm.train_batch_groups
+        pred = statistics.mean(step_seconds(LearnerProfile(**part), Shape.from_config(cfg), [t / B] * B)
+                               for t in tokens)
+        check = f"phase c's mean step {statistics.mean(seconds):.3f} s, predicted {pred:.3f} s by the ranks fit"
+        sources["learner_ranks"] += f"; {check}"
+        log(f"ranks: {check}")
+    return part
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -498,14 +555,16 @@ def main() -> None:
     command = "python tools/bench/calibrate.py " + " ".join(sys.argv[1:])
     sources = {"command": f"{_now()}: {command}"}
 
-    engine, lengths = None, None
+    engine, records = None, None
     if "engine" in phases:
-        engine, src, _, lengths = engine_curve(cfg, args.quick, log)
+        engine, src, _, records = engine_curve(cfg, args.quick, log)
         sources.update(src)
     elif base is not None:
         engine = {k: v for k, v in base["engine"].items() if k not in ("per_group_s", "devices")}
-    got = roles(role_cfg, phases, args.quick, args.run_timeout, engine, log, lengths)
+    got = roles(role_cfg, phases, args.quick, args.run_timeout, engine, log, records)
     sources.update(got["sources"])
+    if "ranks" in phases:
+        got["learner"] = learner_against_ranks(cfg, got, args.quick, sources, log)
 
     def pick(part: str, measured, neutral=None):
         if measured is not None:
@@ -537,6 +596,7 @@ def main() -> None:
     if got.get("push") is not None:
         sources["push_bytes"] = f"parameter bytes in the engine dtype: {nbytes:.0f}; pushed bytes {prof['push']['bytes']:.0f}"
     from async_dapo.planning import predict, profile_from_dict, Shape
+    from async_dapo.planning.workload import keep_rate
 
     profile = profile_from_dict(prof, str(args.out))  # validate before writing
     for part in ("engine", "learner", "push", "contention"):
@@ -550,9 +610,10 @@ def main() -> None:
     text = yaml.dump(profile.model_dump(), Dumper=Dumper, sort_keys=False, width=120)
     args.out.write_text(f"# Planner profile measured by {command} on {_now()} (roles alone).\n" + text)
     shown = profile.model_dump()
-    lengths = shown["workload"]["response_lengths"]
-    if lengths:
-        shown["workload"]["response_lengths"] = f"[{len(lengths)} lengths, mean {statistics.mean(lengths):.2f}]"
+    lengths = profile.workload.all_lengths()
+    for key in ("response_lengths", "prompts"):
+        if shown["workload"].get(key):
+            shown["workload"][key] = f"[{len(shown['workload'][key])} entries, mean length {statistics.mean(lengths):.2f}]"
     print(yaml.safe_dump(shown, sort_keys=False, width=120), flush=True)
     pred = predict(profile, Shape.from_config(cfg), steps=20, warmup=4)
     e, lr = profile.engine, profile.learner
@@ -560,7 +621,7 @@ def main() -> None:
           f"b {e.decode_per_seq_s:.2e} c {e.decode_per_ctx_token_s:.2e} s, prefill {e.prefill_per_token_s:.2e} s/token, "
           f"per_group {e.per_group_s:.4f} s, learner {lr.step_base_s:.3f} + {lr.per_token_s:.2e} s/token, push "
           f"{profile.push.base_s:.3f} s, slowdowns {profile.contention.engine_slowdown:.2f}/"
-          f"{profile.contention.learner_slowdown:.2f}, keep {profile.workload.keep_rate:.2f}; config's plan: "
+          f"{profile.contention.learner_slowdown:.2f}, keep {keep_rate(profile.workload, cfg.rollout.n):.2f}; config's plan: "
           f"{pred.steps_per_s:.3f} steps/s (speedup {pred.speedup:.2f})", flush=True)
 
 

@@ -30,7 +30,8 @@ the tables.
 Per mode also: its ``update_mode`` (rollout.update_mode), ``occupancy`` (time-weighted
 ``perf/rollout_occupancy``: running sequences / (max_inflight_prompts x n)) and ``tail_share`` (time-weighted
 ``perf/rollout_tail_ratio``: share of time the engine runs some but fewer than half of them). The CSV's
-mode, eta, update_mode and measured columns are what ``async-dapo plan --validate TABLE.csv`` reads.
+mode, eta, update_mode, batch_order (replay.batch_order resolved) and measured columns are what
+``async-dapo plan --validate TABLE.csv`` reads.
 
 Presets: ``default`` is configs/tiny_cpu.yaml as shipped (generation-bound on 2 cores); ``balanced`` makes the
 learner step heavier (``learner.epochs=2``: each batch is trained twice) so that g and t are close and the
@@ -70,11 +71,11 @@ PRESET_MODES = {"longtail": (LONGTAIL_MODES, LONGTAIL_QUICK)}
 QUICK = ["algorithm.train_batch_groups=16", "learner.mini_batch_groups=8"]
 COMMON = ["logging.val_every_steps=0", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
           "model.bootstrap=null"]
-COLUMNS = ["mode", "eta", "update_mode", "steps_per_s", "samples_per_s", "gen_tokens_per_s", "trained_tokens_per_s",
-           "learner_idle", "rollout_idle", "staleness_mean", "staleness_max", "push_s", "stall_per_push_s",
+COLUMNS = ["mode", "eta", "update_mode", "batch_order", "steps_per_s", "samples_per_s", "gen_tokens_per_s",
+           "trained_tokens_per_s", "learner_idle", "rollout_idle", "staleness_mean", "staleness_max", "push_s", "stall_per_push_s",
            "speedup", "ideal_speedup", "overlap_efficiency", "g_s", "t_s", "occupancy", "tail_share", "keep_rate",
            "received_acc"]
-TEXT = ("mode", "eta", "update_mode")
+TEXT = ("mode", "eta", "update_mode", "batch_order")
 FMT = {c: ".3f" for c in COLUMNS if c not in TEXT} | {"samples_per_s": ".1f", "gen_tokens_per_s": ".0f",
                                                                   "trained_tokens_per_s": ".0f"}
 
@@ -221,6 +222,8 @@ def preset_paths(args, preset: str) -> tuple[str, Path]:
 
 
 def bench_preset(args, preset: str) -> list[dict]:
+    from async_dapo.config import resolved_batch_order
+
     out = args.out / preset
     config, model = preset_paths(args, preset)
     sets = [*COMMON, f"model.path={model.resolve()}", *PRESETS[preset][2], *(QUICK if args.quick else []),
@@ -238,7 +241,9 @@ def bench_preset(args, preset: str) -> list[dict]:
             rc = run_train(config, run_sets, out / f"{name}.log", args.run_timeout)
             if rc != 0:
                 raise SystemExit(f"{preset}/{name}: exit {rc} (see {out / f'{name}.log'})")
-        rows.append({"mode": name, "eta": eta, "update_mode": update_mode, **summarize(run_dir, cfg, args.warmup)})
+        order = resolved_batch_order(load_config(config, run_sets).replay.batch_order, update_mode)
+        rows.append({"mode": name, "eta": eta, "update_mode": update_mode, "batch_order": order,
+                     **summarize(run_dir, cfg, args.warmup)})
         print(f"{preset}/{name}: {rows[-1]['steps_per_s']:.3f} steps/s", flush=True)
     g, t = measure_roles(args, config, cfg, sets, modes)
     sync = rows[0]["steps_per_s"]

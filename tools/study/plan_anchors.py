@@ -14,17 +14,19 @@ its sync step 512; the published speedups are total-time ratios for the same 512
 prompt rate (equivalently seconds per 512 prompts) is what matches them. AReaL trains 512 prompts per step in
 both runs and reports hours for the same 1,000 steps, so there the prompt rate equals the step rate ratio.
 
-How each anchor is modelled (the choices are the script's, stated in docs/results/planning_validation.md "The anchors"):
+How each anchor is modelled (the choices are the script's, stated in docs/results/planning_validation.md "The anchors";
+the learner's per-update, per-micro-batch and FSDP collective costs are the profiles', each with its source):
 * verl async: B = 128 (require_batches 4 × ppo_mini_batch 32), G = 16, every_k_steps = 4
   (trigger_parameter_sync_step), η = (1 + staleness_threshold) · k − 1 = 5 learner steps, so that the
   admission window holds (1 + 0.5) · 512 prompts per version, update mode inflight (partial rollout:
   interrupt, push, resume; the planner re-prefills the resumed contexts), E = rollout GPUs / TP4,
-  R = train GPUs, step_base_s × 4 optimizer updates, no log-prob recompute (use_rollout_log_probs).
-* verl sync (colocated): B = 512, η = 0, k = 1, E = all GPUs / 4, R = all GPUs, step_base_s × 16 updates,
+  R = train GPUs, 4 optimizer updates (mini-batches of 32 prompts) over micro-batches of 61,440 tokens per
+  rank (use_dynamic_bsz), no log-prob recompute (use_rollout_log_probs).
+* verl sync (colocated): B = 512, η = 0, k = 1, E = all GPUs / 4, R = all GPUs, 16 updates,
   learner per_token_s × 4/3 (the old_log_prob forward; ASSUMPTION forward = 1/3 of fwd+bwd), and the
   phase switch as the push: base_s = engine_pause_s = SWITCH (5 s, ASSUMPTION), bytes 0, no learner stall.
 * AReaL async: B = 512, G = 16, η = 4, k = 1, inflight (interrupt + KV recompute), E = 96 (TP1), R = 32,
-  step_base_s × 4 (ppo_n_minibatches), per_token_s × 4/3 (recompute_logprob), per-engine cap
+  4 updates (ppo_n_minibatches), per_token_s × 4/3 (recompute_logprob), per-engine cap
   ⌈512 / 96⌉ = 6 prompts (max_concurrent_rollouts 512). Sync colocated: E = R = 128, SWITCH 3 s (ASSUMPTION);
   sync η = 0: the async shape at η = 0 with the profile's push.
 
@@ -147,33 +149,34 @@ def build(a: Anchor, base: Profile, o: dict) -> tuple[Profile, Shape, Profile, S
               engine__decode_per_seq_s=e.decode_per_seq_s * o["decode_x"],
               engine__decode_per_ctx_token_s=e.decode_per_ctx_token_s * o["decode_x"])
     maxlen = 28672 if a.family == "verl" else 31 * 1024
-    step_base = p.learner.step_base_s  # the profiles give it per optimizer update
     if a.family == "verl":
         E, R = a.gpus // 2 // p.engine.devices, a.gpus // 2
         k, eta = 4, round((1 + 0.5) * 4) - 1
-        ap = tweak(p, learner__step_base_s=step_base * (128 / 32))
+        ap = p
+        # ppo_mini_batch 32 prompts per optimizer update; dynamic bsz: (2048 + 28672) x 2 tokens per rank
         ash = Shape(B=128, G=16, eta=eta, max_inflight_prompts=math.ceil((eta + 1) * 128 / E),
                     update_mode=o["mode"], max_response_length=maxlen, every_k_steps=k, num_engines=E,
-                    learner_ranks=R)
+                    learner_ranks=R, mini_batch_groups=32, micro_batch_tokens=61440)
         switch = 5.0 if o["switch_s"] is None else o["switch_s"]
-        sp = tweak(p, learner__step_base_s=step_base * (512 / 32),
-                   learner__per_token_s=p.learner.per_token_s * 4 / 3,
+        sp = tweak(p, learner__per_token_s=p.learner.per_token_s * 4 / 3,
                    push__base_s=switch, push__bytes=0.0, push__engine_pause_s=switch, push__learner_stall_s=0.0)
         Es = a.gpus // p.engine.devices
         ssh = Shape(B=512, G=16, eta=0, max_inflight_prompts=math.ceil(512 / Es), max_response_length=maxlen,
-                    num_engines=Es, learner_ranks=a.gpus)
+                    num_engines=Es, learner_ranks=a.gpus, mini_batch_groups=32, micro_batch_tokens=61440)
     else:
         E, R = a.gpus * 3 // 4, a.gpus // 4
-        ap = tweak(p, learner__step_base_s=step_base * 4, learner__per_token_s=p.learner.per_token_s * 4 / 3)
+        ap = tweak(p, learner__per_token_s=p.learner.per_token_s * 4 / 3)  # recompute_logprob
         cap = math.ceil(512 / E) if o["cap"] else math.ceil(5 * 512 / E)
         ash = Shape(B=512, G=16, eta=4, max_inflight_prompts=cap, update_mode=o["mode"],
-                    max_response_length=maxlen, every_k_steps=1, num_engines=E, learner_ranks=R)
+                    max_response_length=maxlen, every_k_steps=1, num_engines=E, learner_ranks=R,
+                    mini_batch_groups=512 // 4)  # ppo_n_minibatches 4
         if a.sync == "colocated":
             switch = 3.0 if o["switch_s"] is None else o["switch_s"]
             sp = tweak(ap, push__base_s=switch, push__bytes=0.0, push__engine_pause_s=switch,
                        push__learner_stall_s=0.0)
             ssh = Shape(B=512, G=16, eta=0, max_inflight_prompts=math.ceil(512 / a.gpus),
-                        max_response_length=maxlen, num_engines=a.gpus, learner_ranks=a.gpus)
+                        max_response_length=maxlen, num_engines=a.gpus, learner_ranks=a.gpus,
+                        mini_batch_groups=512 // 4)
         else:
             sp, ssh = ap, ash.with_(eta=0, every_k_steps=1)
     if not o["reprefill"]:  # no keep-KV switch in the planner: approximate by free prefill on the async run

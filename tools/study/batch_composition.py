@@ -1,0 +1,119 @@
+"""What async batches train on: the trained batches' response lengths against every group that arrived in
+the same window, per staleness bound, update mode and batch order, on the long-tail task (lengths from 5 to
+250 tokens; correctness falls with length). One normal training run per cell, one after another.
+
+    python tools/study/batch_composition.py [--cells sync e1-inflight ...] [--steps 30] [--out runs/composition]
+
+Per run, over the steps after ``--skip``: ``trained_length_ratio`` (mean of ``replay/trained_length_ratio``:
+a batch's mean response length / the mean length of every group that arrived since the batch before it), the
+cumulative ratio (``handed_out_tokens / handed_out_samples`` over ``received_tokens / received_samples``: the
+trained population against the finished one), keep (accepted / received), the accuracy of every sample
+generated for the training prompts (kept or dropped) in the first and last 10 steps, steps/s, mean
+staleness, the admission-order batches forced by ``replay.order_wait_s``, and the generated tokens never
+trained by reason (``rollout/wasted_tokens/*``, as a share of every token that arrived or was aborted).
+
+Cells (``--list``): ``sync`` (η 0); ``e{1,2,4}-{inflight,drain,abort}`` (``replay.batch_order=arrival``); the
+same with ``-admission`` (``replay.batch_order=admission``). ``rollout.max_inflight_prompts`` and
+``replay.capacity_groups`` follow (η + 1) × B.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
+import common  # noqa: E402
+
+CONFIG = "configs/longtail_cpu.yaml"
+BASE_SETS = ["logging.val_every_steps=0", "checkpoint.every_steps=0", "rollout.drain_timeout_s=30"]
+COLUMNS = ["cell", "eta", "update_mode", "batch_order", "steps", "steps_per_s", "length_ratio", "length_ratio_cum",
+           "keep", "acc_first10", "acc_last10", "staleness_mean", "forced_batches", "wasted_filtered",
+           "wasted_stale", "wasted_abort"]
+
+
+def cells() -> dict[str, dict]:
+    out = {"sync": {"eta": 0, "update_mode": "inflight", "batch_order": "arrival"}}
+    for eta in (1, 2, 4):
+        for mode in ("inflight", "drain", "abort"):
+            for order in ("arrival", "admission"):
+                name = f"e{eta}-{mode}" + ("-admission" if order == "admission" else "")
+                out[name] = {"eta": eta, "update_mode": mode, "batch_order": order}
+    return out
+
+
+def sets_for(cell: dict, steps: int, batch_groups: int) -> list[str]:
+    eta = cell["eta"]
+    return [*BASE_SETS, f"learner.total_steps={steps}", f"replay.max_staleness={eta}",
+            f"rollout.max_inflight_prompts={(eta + 1) * batch_groups}",
+            f"replay.capacity_groups={max(128, (eta + 1) * batch_groups)}",
+            f"rollout.update_mode={cell['update_mode']}", f"replay.batch_order={cell['batch_order']}"]
+
+
+def summarise(name: str, cell: dict, run_dir: Path, skip: int) -> dict:
+    steps = common.step_records(common.records(run_dir))
+    if len(steps) <= skip + 1:
+        raise SystemExit(f"{run_dir}: {len(steps)} steps recorded, need more than --skip {skip} + 1")
+    window, first, last = steps[skip:], steps[skip - 1] if skip else None, steps[-1]
+    wall = sum(r["perf/time_per_step"] for r in window)
+
+    def delta(key: str) -> float:
+        return last.get(key, 0.0) - (first or {}).get(key, 0.0)
+
+    trained = delta("replay/handed_out_tokens") / max(delta("replay/handed_out_samples"), 1)
+    arrived = delta("replay/received_tokens") / max(delta("replay/received_samples"), 1)
+    waste_total = max(delta("replay/received_tokens") + delta("rollout/wasted_tokens/abort"), 1)
+    acc = lambda rows: common.queue_rates(rows[0] if rows else None, rows[-1])["acc"]  # noqa: E731
+    return {"cell": name, **cell, "steps": len(steps), "steps_per_s": len(window) / wall,
+            "length_ratio": statistics.fmean(r.get("replay/trained_length_ratio", float("nan")) for r in window),
+            "length_ratio_cum": trained / arrived if arrived else float("nan"),
+            "keep": common.queue_rates(first, last)["keep"],
+            "acc_first10": common.queue_rates(None, steps[min(9, len(steps) - 1)])["acc"],
+            "acc_last10": acc(steps[-11:]),
+            "staleness_mean": statistics.fmean(r.get("staleness/mean", 0.0) for r in window),
+            "forced_batches": last.get("replay/forced_batches", 0.0),
+            **{f"wasted_{k}": delta(f"rollout/wasted_tokens/{k}") / waste_total for k in ("filtered", "stale", "abort")}}
+
+
+def main(argv=None) -> int:
+    ap = common.parser(__file__, __doc__)
+    ap.add_argument("--cells", nargs="+", default=["sync", "e1-inflight", "e4-inflight", "e4-drain", "e4-abort",
+                                                   "e4-inflight-admission", "e4-abort-admission"])
+    ap.add_argument("--steps", type=int, default=30, help="training steps per run (default %(default)s)")
+    ap.add_argument("--skip", type=int, default=4, help="first steps left out of the figures")
+    ap.add_argument("--out", type=Path, default=common.REPO / "runs" / "composition")
+    ap.add_argument("--set", dest="extra", action="append", default=[], help="more config overrides, every run")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
+    ap.add_argument("--list", action="store_true", help="print the cells and exit")
+    args = ap.parse_args(argv)
+    table = cells()
+    if args.list:
+        for name, cell in table.items():
+            print(name, cell)
+        return 0
+    unknown = [c for c in args.cells if c not in table]
+    if unknown:
+        raise SystemExit(f"unknown cells {unknown}; --list prints them")
+    B = common.load_config(CONFIG).algorithm.train_batch_groups
+    rows = []
+    for name in args.cells:
+        run_dir = args.out / name
+        sets = [*sets_for(table[name], args.steps, B), *args.extra, f"logging.run_dir={run_dir}"]
+        if not common.finished(run_dir, args.steps):
+            t = time.perf_counter()
+            rc = common.run_train(CONFIG, sets, args.out / f"{name}.log", args.timeout)
+            print(f"{name}: exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
+            if rc:
+                print(f"{name}: see {args.out / (name + '.log')}", flush=True)
+                continue
+        rows.append(summarise(name, table[name], run_dir, args.skip))
+        print(rows[-1], flush=True)
+    fmt = {c: ".3f" for c in COLUMNS if c not in ("cell", "eta", "update_mode", "batch_order", "steps", "forced_batches")}
+    print(common.write_table(rows, COLUMNS, args.out / "table.md", args.out / "table.csv", fmt), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
