@@ -91,14 +91,16 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
     dt = max(dt, 1e-9)
     share = {g.engine_rank for g in batch} | set(now)
     out = {f"rollout/{r}/batch_share": sum(g.engine_rank == r for g in batch) / max(len(batch), 1) for r in share}
-    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail", "aborted"), 0.0)
+    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail", "aborted", "continued"), 0.0)
     for rank, s in now.items():
         b = before.get(rank)
         if b is None or b.get("pid") != s.get("pid"):
             b = {}
         d = {k: max(0.0, s.get(k, 0.0) - b.get(k, 0.0))
-             for k in ("gen_tokens", "idle_seconds", "groups_sent", "seq_seconds", "tail_seconds", "aborted_tokens")}
+             for k in ("gen_tokens", "idle_seconds", "groups_sent", "seq_seconds", "tail_seconds", "aborted_tokens",
+                       "continued_tokens")}
         totals["aborted"] += d["aborted_tokens"]
+        totals["continued"] += d["continued_tokens"]
         occupancy = d["seq_seconds"] / dt / max(s.get("batch_seqs", 1), 1)
         for key, value in zip(("tokens", "idle", "occupancy", "tail"),
                               (d["gen_tokens"], d["idle_seconds"], occupancy, d["tail_seconds"])):
@@ -113,7 +115,8 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
     return out, {"gen_tokens_per_s": totals["tokens"] / dt,
                  "rollout_idle_ratio": min(1.0, totals["idle"] / dt / engines),
                  "rollout_occupancy": totals["occupancy"] / engines,
-                 "rollout_tail_ratio": min(1.0, totals["tail"] / dt / engines), "aborted_tokens": totals["aborted"]}
+                 "rollout_tail_ratio": min(1.0, totals["tail"] / dt / engines), "aborted_tokens": totals["aborted"],
+                 "continued_tokens": totals["continued"]}
 
 
 def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,
@@ -129,6 +132,8 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
     out.update({f"rollout/{k}": float(v) for k, v in queue.items() if k.startswith("wasted_tokens/")})
     if "wasted_abort_tokens" in timing:
         out["rollout/wasted_tokens/abort"] = float(timing["wasted_abort_tokens"])
+    if "continued_tokens" in timing:  # kept across an abort and continued (rollout.partial_rollout), cumulative
+        out["rollout/continued_tokens"] = float(timing["continued_tokens"])
     step_s = max(timing["step_s"], 1e-9)
     out.update({
         "perf/time_per_step": step_s, "perf/wait_data_s": timing["wait_data_s"],

@@ -70,6 +70,7 @@ class Run:
         self._ray_park = None  # set it to let connect_ray's parked thread end
         self._last: dict[str, Any] = {"engines": {}, "t": time.perf_counter()}  # the engines' previous counters
         self._wasted_abort = 0.0  # tokens the engines aborted since the start (rollout/wasted_tokens/abort)
+        self._continued = 0.0  # tokens kept across an abort and continued since the start (rollout/continued_tokens)
         self._t_start = time.perf_counter()
         self._steps_done = 0
         self._push_failed_before = False
@@ -314,7 +315,9 @@ class Run:
         # an engine that did not answer this time keeps its last counters (its next answer is a delta of them)
         self._last = {"engines": {**self._last["engines"], **engines}, "t": t}
         self._wasted_abort += fleet.pop("aborted_tokens")  # engines count per process: summed over steps here
+        self._continued += fleet.pop("continued_tokens")
         timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s, "wasted_abort_tokens": self._wasted_abort,
+                  "continued_tokens": self._continued,
                   "weight_push_s": push.get("push_s", 0.0), "weight_push_stall_s": self._push_stall_s, **fleet}
         self._push_stall_s = 0.0  # a step without a push (weight_sync.every_k_steps > 1) stalls nothing
         m = {**step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing), **per_engine}

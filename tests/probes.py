@@ -19,6 +19,11 @@ class ProbedRolloutWorker(RolloutWorker):
         coro = gather_all(self.session.sample_once(p, params) for p in prompts)
         return self._call(coro, self.session.cfg.rollout.request_timeout_s, "generate (rollout.request_timeout_s)")
 
+    def set_partial_rollout(self, keep: bool) -> None:
+        """rollout.partial_rollout on this actor (one engine serves a test module's cases with it on and off)."""
+        cfg = self.session.cfg
+        self.session.cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"partial_rollout": keep})})
+
     def num_running_requests(self) -> int:
         """Requests the engine is working on right now (to update weights mid-generation)."""
         return len(self.session.tm.rid_to_state)

@@ -63,6 +63,12 @@ class RolloutConfig(Section):
         description="How an engine takes new weights: pause+retract+continue, finish running first, "
         "or abort and resample.",
     )
+    partial_rollout: bool = Field(
+        False, description="update_mode=abort: a sample an update aborted keeps its tokens, log-probs and "
+        "per-token versions and is continued from prompt + those tokens on the new weights (verl's partial "
+        "rollout), instead of resampled from scratch; a kept prefix whose oldest token is already more than "
+        "replay.max_staleness versions old is thrown away (its samples would be dropped as stale).",
+    )
     request_timeout_s: float = Field(
         600, gt=0, description="Bound (seconds) on one engine request (a group's n samples go as ONE batched "
         "request; a redrawn sample as one more) and on queueing the finished group for sending: on expiry the "

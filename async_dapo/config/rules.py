@@ -143,6 +143,14 @@ def rule_drain_ends_before_weight_sync_timeout(cfg: Config) -> None:
         )
 
 
+def rule_partial_rollout_needs_abort(cfg: Config) -> None:
+    """Only an abort-mode update cuts samples short: in-flight and drain updates keep every token already."""
+    ro = cfg.rollout
+    if ro.partial_rollout and ro.update_mode != "abort":
+        raise ValueError(f"rollout.partial_rollout applies to rollout.update_mode abort only (it is "
+                         f"{ro.update_mode!r}: its updates keep every generated token already)")
+
+
 def rule_hung_engine_replaced_before_silence(cfg: Config) -> None:
     """A hung engine must be replaced before the learner gives up waiting for groups."""
     pl, ws, rp = cfg.placement, cfg.weight_sync, cfg.replay
@@ -250,6 +258,7 @@ CROSS_FIELD_RULES = (
     rule_auto_engine_gpus_zero_or_tp,
     rule_every_rank_gets_a_sample,
     rule_drain_ends_before_weight_sync_timeout,
+    rule_partial_rollout_needs_abort,
     rule_hung_engine_replaced_before_silence,
     rule_call_outlives_collective,
     rule_call_outlives_weight_push,

@@ -17,7 +17,8 @@ Weight updates, three modes (``rollout.update_mode``), all exact about per-token
   Per-token versions come from SGLang's ``weight_versions`` spans.
 * ``drain``: stop admitting, wait until every running sample finished, load, admit again.
 * ``abort``: abort running requests and wait (10 ms checks) until the engine dropped them, load, resample
-  the aborted ones from scratch.
+  the aborted ones from scratch, or with ``rollout.partial_rollout`` continue each from prompt + the tokens
+  it had (their log-probs and versions kept, as an in-flight update keeps them).
 The load itself (and joining or leaving the weight-update group) is ``async_dapo.weights.sync``'s engine
 end; a refused load raises here, and the caller fails the sender rather than leaving it hanging.
 
@@ -92,10 +93,59 @@ def token_versions(spans: list[dict] | None, length: int, fallback: int) -> np.n
     return out
 
 
+@dataclass
+class Prefix:
+    """The tokens an abort-mode update cut short, kept to be continued on the new weights
+    (``rollout.partial_rollout``): ids, the behaviour log-probs and per-token versions they were sampled
+    with, and the engine seconds they took."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: np.ndarray
+    seconds: float
+
+    @staticmethod
+    def of(out: dict[str, Any], start_version: int, seconds: float, before: "Prefix | None" = None) -> "Prefix":
+        """``before`` (if any) extended by the tokens of the aborted request ``out``."""
+        meta = out["meta_info"]
+        ids = list(out.get("output_ids") or ())
+        logprobs = [lp for lp, *_ in meta.get("output_token_logprobs") or ()]
+        if len(logprobs) != len(ids):  # the engine returned an incomplete record: nothing to continue from
+            raise ValueError(f"aborted request: {len(ids)} tokens but {len(logprobs)} log-probs")
+        versions = token_versions(meta.get("weight_versions"), len(ids), start_version)
+        if before is None:
+            return Prefix(ids, logprobs, versions, seconds)
+        return Prefix(before.ids + ids, before.logprobs + logprobs, np.concatenate([before.versions, versions]),
+                      before.seconds + seconds)
+
+    def joined(self, out: dict[str, Any], start_version: int, seconds: float) -> dict[str, Any]:
+        """The finished continuation ``out`` with this prefix in front: one completion as the engine would
+        have returned it uninterrupted, its per-token versions in ``_versions``."""
+        meta = out["meta_info"]
+        tail = list(out["output_ids"])
+        return {**out, "output_ids": self.ids + tail,
+                "meta_info": {**meta, "output_token_logprobs": [(lp, None, None) for lp in self.logprobs]
+                              + list(meta["output_token_logprobs"])},
+                "_versions": np.concatenate([self.versions, token_versions(meta.get("weight_versions"), len(tail),
+                                                                           start_version)]),
+                "_start_version": start_version, "_seconds": self.seconds + seconds, "_continued": len(self.ids)}
+
+
 def sampling_params(cfg: Config) -> dict[str, Any]:
     """SGLang sampling parameters of a training sample (rollout.temperature, top_p, top_k, max_response_length)."""
     r = cfg.rollout
     return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length}
+
+
+def _remaining(params: dict[str, Any], prefix: Prefix | None) -> dict[str, Any]:
+    """``params`` for the rest of a sample after ``prefix``: the response budget less the kept tokens."""
+    if prefix is None:
+        return params
+    return {**params, "max_new_tokens": params["max_new_tokens"] - len(prefix.ids)}
+
+
+# A prefix already at the response budget (an abort that raced the request's own finish) is complete.
+_AT_BUDGET = {"output_ids": [], "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": []}}
 
 
 def fit_prompt(cfg: Config, prompt: list[int], index: int) -> list[int]:
@@ -133,6 +183,7 @@ class _Stats:
     gen_tokens: int = 0
     resampled: int = 0
     aborted_tokens: int = 0  # tokens of requests aborted (by an abort-mode update or the engine): never trained
+    continued_tokens: int = 0  # tokens an abort cut short, kept and continued (rollout.partial_rollout)
     failed_groups: int = 0
     updates: int = 0
     update_seconds: float = 0.0
@@ -219,36 +270,73 @@ class EngineSession:
         redraw = []
         for i, out in enumerate(outs):
             if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
-                self.stats.resampled += 1
-                self.stats.aborted_tokens += len(out.get("output_ids") or ())
-                redraw.append((i, self.sample_once(prompt_ids, params, int(updates == self.updates_started))))
+                ours = updates != self.updates_started
+                prefix = self._after_abort(out, start_version, seconds, ours, None)
+                redraw.append((i, self.sample_once(prompt_ids, params, int(not ours), prefix)))
             else:
                 out["_start_version"], out["_seconds"] = start_version, seconds
         for i, out in zip([i for i, _ in redraw], await gather_all(c for _, c in redraw)):
             outs[i] = out
         return outs
 
-    async def sample_once(self, prompt_ids: list[int], params: dict[str, Any],
-                          foreign_aborts: int = 0) -> dict[str, Any]:
-        """One completion; resampled from scratch if an abort-mode update aborted it. An abort we did not
-        cause (e.g. the engine refused the request) is retried ``rollout.max_abort_retries`` times."""
+    async def sample_once(self, prompt_ids: list[int], params: dict[str, Any], foreign_aborts: int = 0,
+                          prefix: Prefix | None = None) -> dict[str, Any]:
+        """One completion, continued from ``prefix`` if given. If an abort-mode update aborts it, it is drawn
+        again from scratch, or with ``rollout.partial_rollout`` continued from the tokens it had. An abort we
+        did not cause (e.g. the engine refused the request) is retried, from scratch or from the prefix it
+        started from, at most ``rollout.max_abort_retries`` times."""
         while True:
             await self.weights_ready.wait()  # bounded as in sample_n
             start_version, updates = self.version, self.updates_started
+            prefix = self._still_fresh(prefix, start_version)
+            if prefix is not None and len(prefix.ids) >= params["max_new_tokens"]:
+                self.stats.continued_tokens += len(prefix.ids)
+                return prefix.joined(_AT_BUDGET, start_version, 0.0)
             t0 = time.perf_counter()
-            out = await self._request(prompt_ids, params)
+            out = await self._request(prompt_ids + (prefix.ids if prefix else []), _remaining(params, prefix))
+            seconds = time.perf_counter() - t0
             finish = (out["meta_info"].get("finish_reason") or {}).get("type")
             if finish != "abort":
-                out["_start_version"] = start_version
-                out["_seconds"] = time.perf_counter() - t0
+                if prefix is not None:
+                    self.stats.continued_tokens += len(prefix.ids)
+                    return prefix.joined(out, start_version, seconds)
+                out["_start_version"], out["_seconds"] = start_version, seconds
                 return out
-            self.stats.resampled += 1
-            self.stats.aborted_tokens += len(out.get("output_ids") or ())
-            if updates == self.updates_started:
+            ours = updates != self.updates_started
+            prefix = self._after_abort(out, start_version, seconds, ours, prefix)
+            if not ours:
                 foreign_aborts += 1
                 if foreign_aborts > self.cfg.rollout.max_abort_retries:
                     raise GroupFailed("aborted", f"the engine aborted the request {foreign_aborts} times: "
                                       f"{out['meta_info'].get('finish_reason')}")
+
+    def _after_abort(self, out: dict[str, Any], start_version: int, seconds: float, ours: bool,
+                     prefix: Prefix | None) -> Prefix | None:
+        """What is kept of an aborted request: with ``rollout.partial_rollout``, an abort by our own update
+        extends the prefix it continued from (None before: a new one), and an abort we did not cause keeps
+        that prefix as it was; otherwise nothing is kept and the sample is drawn again from scratch. The
+        tokens not kept are counted as aborted (never trained)."""
+        self.stats.resampled += 1
+        new = len(out.get("output_ids") or ())
+        if self.cfg.rollout.partial_rollout:
+            if not ours:
+                self.stats.aborted_tokens += new
+                return prefix
+            try:
+                return Prefix.of(out, start_version, seconds, prefix)
+            except ValueError as exc:
+                log.warning("partial rollout: %s; this sample is drawn again from scratch", exc)
+        self.stats.aborted_tokens += new + (len(prefix.ids) if prefix is not None else 0)
+        return None
+
+    def _still_fresh(self, prefix: Prefix | None, version: int) -> Prefix | None:
+        """``prefix``, unless its oldest token is more than ``replay.max_staleness`` versions behind the
+        weights it would continue on: the finished sample would be dropped as stale by the queue (whose
+        version is at least the engine's), so its tokens are counted as aborted and it starts again."""
+        if prefix is None or not prefix.ids or version - int(prefix.versions.min()) <= self.cfg.replay.max_staleness:
+            return prefix
+        self.stats.aborted_tokens += len(prefix.ids)
+        return None
 
     @property
     def scorer(self) -> Scorer:
@@ -275,7 +363,8 @@ class EngineSession:
         finish = (meta.get("finish_reason") or {}).get("type", "")
         return Sample(
             response_ids=ids, logprobs=logprobs,
-            versions=token_versions(meta.get("weight_versions"), len(ids), out["_start_version"]),
+            versions=(out["_versions"] if "_versions" in out
+                      else token_versions(meta.get("weight_versions"), len(ids), out["_start_version"])),
             reward=result.score + penalty, score=result.score, acc=result.acc,
             truncated=finish == "length", finish_reason=finish, gen_seconds=out["_seconds"],
         )

@@ -133,11 +133,16 @@ def _assert_close(ref, got):
 
 # Each case owns its versions and first loads its own "old" weights with nothing running, so it passes
 # alone and in any order (the engine does not require versions to increase).
-@pytest.mark.parametrize("mode, version", [("inflight", 2), ("drain", 4), ("abort", 6)])
-def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model, mode, version):
+@pytest.mark.parametrize("mode, version, keep", [("inflight", 2, False), ("drain", 4, False), ("abort", 6, False),
+                                                 ("abort", 8, True)],
+                         ids=["inflight", "drain", "abort", "abort-partial_rollout"])
+def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model, mode, version, keep):
+    """Abort with rollout.partial_rollout: each aborted sample is continued from its tokens on the new weights,
+    so, as in flight, its first tokens are the old weights' and the rest the new ones', log-probs included."""
     import ray
 
     _, actor, pg = system
+    ray.get(actor.set_partial_rollout.remote(keep), timeout=60)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -157,8 +162,11 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
     # long requests, and a prefill emits each request's first token: so every long request has at least
     # one token from the old weights when the update arrives.
     ray.get(actor.generate.remote(prompts[:1], {"max_new_tokens": 1}), timeout=120)
-    seconds = _push(actor, pg, named, version, mode)
-    outs = ray.get(running, timeout=600)
+    try:
+        seconds = _push(actor, pg, named, version, mode)
+        outs = ray.get(running, timeout=600)
+    finally:
+        ray.get(actor.set_partial_rollout.remote(False), timeout=60)
     if mode == "abort":  # SGLang's pause_generation(abort) re-checked every 1 s: a second per update at least
         assert seconds < 1.0, seconds
 
@@ -167,12 +175,13 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
         ids = out["output_ids"]
         lps = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]])
         spans = out["meta_info"].get("weight_versions") or []
-        versions = [int(s["version"]) if s["version"].isdigit() else 0
-                    for s in spans for _ in range(s["end"] - s["start"])]
-        assert len(versions) == len(ids) == 300
+        versions = (out["_versions"].tolist() if keep else  # the kept tokens' versions, then the continuation's
+                    [int(s["version"]) if s["version"].isdigit() else 0 for s in spans for _ in range(s["end"] - s["start"])])
+        assert len(versions) == len(ids) == len(lps) == 300
         switch = versions.index(version) if version in versions else len(ids)
-        if mode == "inflight":  # started on the old weights, finished on the new ones
+        if mode == "inflight" or keep:  # started on the old weights, finished on the new ones
             assert 0 < switch < len(ids) and set(versions[switch:]) == {version}
+            assert set(versions[:switch]) == {version - 1}
         elif mode == "drain":  # finished entirely on the old weights before the update
             assert switch == len(ids)
         else:  # aborted and resampled entirely on the new weights

@@ -133,6 +133,12 @@ CASES = {
         ["rollout.drain_timeout_s", "weight_sync.timeout_s", "update_mode drain"],
         ["rollout.update_mode=inflight", "rollout.drain_timeout_s=600", "weight_sync.timeout_s=600"],
     ),
+    "partial_rollout_needs_abort": (
+        "rule_partial_rollout_needs_abort",
+        ["rollout.partial_rollout=true", "rollout.update_mode=inflight"],
+        ["rollout.partial_rollout", "rollout.update_mode abort only", "'inflight'"],
+        ["rollout.partial_rollout=true", "rollout.update_mode=abort"],
+    ),
     "health_check_before_silence": (
         "rule_hung_engine_replaced_before_silence",
         ["placement.health_check_timeout_s=300", "weight_sync.timeout_s=600", "replay.silence_timeout_s=900"],

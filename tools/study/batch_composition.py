@@ -11,9 +11,14 @@ trained population against the finished one), keep (accepted / received), the ac
 generated for the training prompts (kept or dropped) in the first and last 10 steps, steps/s, mean
 staleness, the admission-order batches forced by ``replay.order_wait_s``, and the generated tokens never
 trained by reason (``rollout/wasted_tokens/*``, as a share of every token that arrived or was aborted).
+From the trained batches themselves (``logging.record_batches``): ``long_share``, the share of trained samples
+at least as long as the warm start's p75 (76 tokens: docs/results/throughput_and_studies.md, "Long-tail
+responses"), and ``long_per_step``; and ``continued``, the tokens kept across an abort and continued
+(``rollout/continued_tokens``) as a share of the same total.
 
-Cells (``--list``): ``sync`` (η 0); ``e{1,2,4}-{inflight,drain,abort}`` (``replay.batch_order=arrival``); the
-same with ``-admission`` (``replay.batch_order=admission``). ``rollout.max_inflight_prompts`` and
+Cells (``--list``): ``sync`` (η 0); ``e{1,2,4}-{inflight,drain,abort,abort-partial}``
+(``replay.batch_order=arrival``; ``abort-partial`` is abort with ``rollout.partial_rollout``); the same with
+``-admission`` (``replay.batch_order=admission``). ``rollout.max_inflight_prompts`` and
 ``replay.capacity_groups`` follow (η + 1) × B.
 """
 
@@ -28,16 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.p
 import common  # noqa: E402
 
 CONFIG = "configs/longtail_cpu.yaml"
-BASE_SETS = ["logging.val_every_steps=0", "checkpoint.every_steps=0", "rollout.drain_timeout_s=30"]
+BASE_SETS = ["logging.val_every_steps=0", "checkpoint.every_steps=0", "rollout.drain_timeout_s=30",
+             "logging.record_batches=true"]
+WARM_P75 = 76  # tokens: the warm start's p75 response length on this task (docs/results/throughput_and_studies.md)
 COLUMNS = ["cell", "eta", "update_mode", "batch_order", "steps", "steps_per_s", "length_ratio", "length_ratio_cum",
            "keep", "acc_first10", "acc_last10", "staleness_mean", "forced_batches", "wasted_filtered",
-           "wasted_stale", "wasted_abort"]
+           "wasted_stale", "wasted_abort", "continued", "long_share", "long_per_step"]
 
 
 def cells() -> dict[str, dict]:
     out = {"sync": {"eta": 0, "update_mode": "inflight", "batch_order": "arrival"}}
     for eta in (1, 2, 4):
-        for mode in ("inflight", "drain", "abort"):
+        for mode in ("inflight", "drain", "abort", "abort-partial"):
             for order in ("arrival", "admission"):
                 name = f"e{eta}-{mode}" + ("-admission" if order == "admission" else "")
                 out[name] = {"eta": eta, "update_mode": mode, "batch_order": order}
@@ -49,7 +56,20 @@ def sets_for(cell: dict, steps: int, batch_groups: int) -> list[str]:
     return [*BASE_SETS, f"learner.total_steps={steps}", f"replay.max_staleness={eta}",
             f"rollout.max_inflight_prompts={(eta + 1) * batch_groups}",
             f"replay.capacity_groups={max(128, (eta + 1) * batch_groups)}",
-            f"rollout.update_mode={cell['update_mode']}", f"replay.batch_order={cell['batch_order']}"]
+            f"rollout.update_mode={cell['update_mode'].removesuffix('-partial')}",
+            f"rollout.partial_rollout={str(cell['update_mode'].endswith('-partial')).lower()}",
+            f"replay.batch_order={cell['batch_order']}"]
+
+
+def long_samples(run_dir: Path, skip: int) -> tuple[float, float]:
+    """(share of the trained samples at least WARM_P75 tokens long, how many per step) over the recorded
+    batches after step ``skip``."""
+    from async_dapo.stream.wire import read_groups
+
+    files = [(int(f.stem.split("_")[1]), f) for f in (run_dir / "batches").glob("step_*.bin")]
+    lengths = [len(smp.response_ids) for step, f in files if step > skip for g in read_groups(f) for smp in g.samples]
+    long = sum(n >= WARM_P75 for n in lengths)
+    return long / max(len(lengths), 1), long / max(sum(step > skip for step, _ in files), 1)
 
 
 def summarise(name: str, cell: dict, run_dir: Path, skip: int) -> dict:
@@ -74,7 +94,9 @@ def summarise(name: str, cell: dict, run_dir: Path, skip: int) -> dict:
             "acc_last10": acc(steps[-11:]),
             "staleness_mean": statistics.fmean(r.get("staleness/mean", 0.0) for r in window),
             "forced_batches": last.get("replay/forced_batches", 0.0),
-            **{f"wasted_{k}": delta(f"rollout/wasted_tokens/{k}") / waste_total for k in ("filtered", "stale", "abort")}}
+            **{f"wasted_{k}": delta(f"rollout/wasted_tokens/{k}") / waste_total for k in ("filtered", "stale", "abort")},
+            "continued": delta("rollout/continued_tokens") / waste_total,
+            **dict(zip(("long_share", "long_per_step"), long_samples(run_dir, skip)))}
 
 
 def main(argv=None) -> int:
