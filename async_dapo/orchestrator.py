@@ -95,7 +95,7 @@ class Run:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._shutdown()
-        log.info(self.clock.table() + self._predicted_line())
+        log.info(self.clock.table() + self._predicted_line() + self._waste_line())
         if isinstance(exc, RunFailed):  # one line: what failed, where to resume from
             raise RunFailed(f"{exc}; last checkpoint: {self.last_checkpoint()}") from None
 
@@ -115,6 +115,17 @@ class Run:
         measured = sum(times) / len(times)
         return (f"\n  {'step (planner)':<18} {self._predicted_s:8.3f} s predicted, {measured:.3f} s measured "
                 f"over {len(times)} steps ({measured / self._predicted_s - 1:+.0%})")
+
+    def _waste_line(self) -> str:
+        """The response tokens generated and never trained, by reason, and those kept across an abort
+        (rollout/wasted_tokens/<reason>, rollout/continued_tokens at the last step)."""
+        m = getattr(self, "last_metrics", {})
+        waste = {k.rsplit("/", 1)[1]: int(v) for k, v in m.items() if k.startswith("rollout/wasted_tokens/")}
+        if not waste:
+            return ""
+        by_reason = ", ".join(f"{k} {v}" for k, v in waste.items())
+        return (f"\n  {'tokens not trained':<18} {sum(waste.values()):8d} ({by_reason}); continued after an abort: "
+                f"{int(m.get('rollout/continued_tokens', 0))}")
 
     def last_checkpoint(self) -> str:
         return checkpoints.last_checkpoint(self.dir.path)

@@ -29,8 +29,9 @@ class ReplayConfig(Section):
         "auto", description="Which queued groups a batch takes: 'arrival' = the B that arrived first (the "
         "fastest-finishing, so shorter responses, in async runs); 'admission' = the B whose prompts were "
         "admitted first, waiting for a late one up to order_wait_s (trains the admitted population); 'auto' = "
-        "admission with rollout.update_mode abort (a push would otherwise keep restarting the long samples "
-        "the batch never waits for), arrival otherwise (docs/concepts.md, 'What an async batch trains on').",
+        "admission with rollout.update_mode abort without rollout.partial_rollout (a push would otherwise keep "
+        "restarting the long samples the batch never waits for), arrival otherwise (docs/concepts.md, 'What "
+        "an async batch trains on').",
     )
     order_wait_s: float = Field(
         60, gt=0, description="With batch_order 'admission': the longest a batch that B queued groups could "
@@ -44,8 +45,11 @@ class ReplayConfig(Section):
     )
 
 
-def resolved_batch_order(batch_order: str, update_mode: str) -> str:
-    """replay.batch_order with 'auto' resolved against rollout.update_mode: 'arrival' or 'admission'."""
+def resolved_batch_order(batch_order: str, update_mode: str, partial_rollout: bool = False) -> str:
+    """replay.batch_order with 'auto' resolved against rollout.update_mode and rollout.partial_rollout:
+    'arrival' or 'admission'. Only an abort that throws the aborted tokens away needs admission order (the
+    long samples would restart at every push); a kept prefix finishes on arrival order too, at half the
+    staleness."""
     if batch_order == "auto":
-        return "admission" if update_mode == "abort" else "arrival"
+        return "admission" if update_mode == "abort" and not partial_rollout else "arrival"
     return batch_order

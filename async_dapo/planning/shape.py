@@ -44,15 +44,21 @@ class Shape:
 
     @classmethod
     def from_config(cls, cfg) -> "Shape":
+        """The run's shape. Abort with rollout.partial_rollout is simulated as in-flight: both continue each
+        running sample on the new weights after the load, from its prompt and tokens so far (measured on the
+        long-tail task at η 4: 0.313 and 0.315 steps/s)."""
+        ro = cfg.rollout
+        mode = "inflight" if ro.update_mode == "abort" and ro.partial_rollout else ro.update_mode
         return cls(B=cfg.algorithm.train_batch_groups, G=cfg.rollout.n, eta=cfg.replay.max_staleness,
-                   max_inflight_prompts=cfg.rollout.max_inflight_prompts, update_mode=cfg.rollout.update_mode,
+                   max_inflight_prompts=cfg.rollout.max_inflight_prompts, update_mode=mode,
                    max_response_length=cfg.rollout.max_response_length,
                    every_k_steps=cfg.weight_sync.every_k_steps, epochs=cfg.learner.epochs,
                    num_engines=cfg.placement.num_engines, learner_ranks=cfg.placement.learner_ranks,
                    filter_groups=cfg.algorithm.dynamic_sampling.enable,
                    mini_batch_groups=cfg.learner.mini_batch_groups, micro_batch_tokens=cfg.learner.micro_batch_tokens,
                    proximal=cfg.algorithm.correction.mode != "naive",
-                   batch_order=resolved_batch_order(cfg.replay.batch_order, cfg.rollout.update_mode))
+                   batch_order=resolved_batch_order(cfg.replay.batch_order, cfg.rollout.update_mode,
+                                                    cfg.rollout.partial_rollout))
 
     def with_(self, **changes) -> "Shape":
         return replace(self, **changes)

@@ -78,7 +78,8 @@ class ReplayQueue:
             batch_groups=cfg.algorithm.train_batch_groups, max_staleness=cfg.replay.max_staleness,
             capacity=cfg.replay.capacity_groups, dynamic_sampling=cfg.algorithm.dynamic_sampling.enable,
             versions=self.version, filter_metric=cfg.algorithm.dynamic_sampling.metric,
-            batch_order=resolved_batch_order(cfg.replay.batch_order, cfg.rollout.update_mode),
+            batch_order=resolved_batch_order(cfg.replay.batch_order, cfg.rollout.update_mode,
+                                             cfg.rollout.partial_rollout),
         )
         self.rows = train_rows(cfg)  # kept: a quarantined row is logged with its content
         self.cursor = self._new_cursor(cfg, self.rows)

@@ -31,8 +31,8 @@ class ScriptTM:
             if update:
                 s.updates_started += 1
                 s.version += 1
-            yield {"output_ids": list(ids), "meta_info": {"finish_reason": {"type": finish},
-                                                          "output_token_logprobs": [(lp, i) for lp, i in zip(logprobs, ids)]}}
+            meta = {"finish_reason": {"type": finish}, "output_token_logprobs": list(zip(logprobs, ids))}
+            yield {"output_ids": list(ids), "meta_info": meta}
 
         return gen()
 
@@ -74,7 +74,8 @@ def test_two_aborts_in_a_row_extend_one_prefix():
     out = _run(s)
     assert [r[1] for r in s.tm.requests] == [8, 7, 5]
     assert s.tm.requests[2][0] == PROMPT + [11, 12, 13]
-    assert out["output_ids"] == [11, 12, 13, 14, 15, 16, 17, 18] and out["_versions"].tolist() == [0, 1, 1, 2, 2, 2, 2, 2]
+    assert out["output_ids"] == [11, 12, 13, 14, 15, 16, 17, 18]
+    assert out["_versions"].tolist() == [0, 1, 1, 2, 2, 2, 2, 2]
     assert (s.stats.continued_tokens, s.stats.aborted_tokens) == (3, 0)
 
 
@@ -138,3 +139,15 @@ def test_the_rule_keeps_partial_rollout_to_abort_mode():
         load_config(None, ["rollout.partial_rollout=true"])
     assert np.isfinite(load_config(None, ["rollout.partial_rollout=true", "rollout.update_mode=abort"])
                        .rollout.max_response_length)
+
+
+def test_the_end_of_run_table_sums_the_tokens_never_trained_and_the_continued_ones(tmp_path):
+    from async_dapo.orchestrator import Run
+
+    run = Run(load_config("configs/tiny_cpu.yaml", [f"logging.run_dir={tmp_path}"]), None)
+    assert run._waste_line() == ""  # no step logged
+    run.last_metrics = {"rollout/wasted_tokens/filtered": 120.0, "rollout/wasted_tokens/stale": 30.0,
+                        "rollout/wasted_tokens/abort": 7.0, "rollout/continued_tokens": 55.0, "train/version": 3.0}
+    line = run._waste_line()
+    assert "tokens not trained" in line and "157 (filtered 120, stale 30, abort 7)" in line
+    assert line.endswith("continued after an abort: 55")

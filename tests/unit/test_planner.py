@@ -137,8 +137,12 @@ def test_batch_order_auto_is_admission_only_under_abort():
 
     assert [resolved_batch_order("auto", m) for m in pl.UPDATE_MODES] == ["arrival", "arrival", "admission"]
     assert [resolved_batch_order(o, "abort") for o in ("arrival", "admission")] == ["arrival", "admission"]
+    assert resolved_batch_order("auto", "abort", partial_rollout=True) == "arrival"  # the prefix is kept
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.update_mode=abort"])
     assert cfg.replay.batch_order == "auto" and Shape.from_config(cfg).batch_order == "admission"
+    kept = Shape.from_config(load_config("configs/tiny_cpu.yaml",
+                                         ["rollout.update_mode=abort", "rollout.partial_rollout=true"]))
+    assert (kept.batch_order, kept.update_mode) == ("arrival", "inflight")  # continued after the load, as in flight
     assert Shape.from_config(load_config("configs/tiny_cpu.yaml", [])).batch_order == "arrival"
 
 

@@ -67,7 +67,8 @@ def long_samples(run_dir: Path, skip: int) -> tuple[float, float]:
     from async_dapo.stream.wire import read_groups
 
     files = [(int(f.stem.split("_")[1]), f) for f in (run_dir / "batches").glob("step_*.bin")]
-    lengths = [len(smp.response_ids) for step, f in files if step > skip for g in read_groups(f) for smp in g.samples]
+    lengths = [len(smp.response_ids) for step, f in files if step > skip
+               for g in read_groups(f) for smp in g.samples]
     long = sum(n >= WARM_P75 for n in lengths)
     return long / max(len(lengths), 1), long / max(sum(step > skip for step, _ in files), 1)
 
