@@ -128,7 +128,7 @@ class Prefix:
                               + list(meta["output_token_logprobs"])},
                 "_versions": np.concatenate([self.versions, token_versions(meta.get("weight_versions"), len(tail),
                                                                            start_version)]),
-                "_start_version": start_version, "_seconds": self.seconds + seconds, "_continued": len(self.ids)}
+                "_start_version": start_version, "_seconds": self.seconds + seconds}
 
 
 def sampling_params(cfg: Config) -> dict[str, Any]:
@@ -307,6 +307,7 @@ class EngineSession:
             if not ours:
                 foreign_aborts += 1
                 if foreign_aborts > self.cfg.rollout.max_abort_retries:
+                    self.stats.aborted_tokens += len(prefix.ids) if prefix is not None else 0  # lost with the group
                     raise GroupFailed("aborted", f"the engine aborted the request {foreign_aborts} times: "
                                       f"{out['meta_info'].get('finish_reason')}")
 

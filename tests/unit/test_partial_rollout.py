@@ -111,6 +111,15 @@ def test_a_foreign_abort_keeps_the_prefix_and_wastes_only_its_own_tokens():
     assert out["output_ids"] == [11, 12, 13] and (s.stats.continued_tokens, s.stats.aborted_tokens) == (2, 1)
 
 
+def test_a_group_failed_by_the_engines_aborts_counts_its_prefix_as_aborted():
+    from async_dapo.rollout.actor import GroupFailed
+
+    s = _session([("abort", [11, 12], [-0.1, -0.2], True)] + [("abort", [99], [-0.9], False)] * 3)
+    with pytest.raises(GroupFailed, match="aborted the request 3 times"):
+        _run(s)
+    assert (s.stats.continued_tokens, s.stats.aborted_tokens) == (0, 3 + 2)  # 3 foreign tokens, then the prefix
+
+
 def test_in_a_group_only_the_aborted_samples_are_continued():
     # a batch of 2: the first finished before the update, the second was cut short by it
     s = _session([("stop", [21], [-0.1], False), ("abort", [31, 32], [-0.2, -0.3], True),
