@@ -407,9 +407,9 @@ class ReplayPolicy(Generic[G]):
         if self.batch_order == "arrival":
             picked = [self._queue.popleft() for _ in range(self.batch_groups)]
         else:
-            ranked = sorted(self._queue, key=lambda entry: entry[0])[:self.batch_groups]
-            if oldest_running is not None and oldest_running < ranked[-1][0] and not force:
+            if not force and self.blocked_by_running(version, oldest_running):
                 return None
+            ranked = sorted(self._queue, key=lambda entry: entry[0])[:self.batch_groups]
             chosen = {id(entry) for entry in ranked}
             self._queue = deque(entry for entry in self._queue if id(entry) not in chosen)
             picked = ranked

@@ -241,7 +241,8 @@ def bench_preset(args, preset: str) -> list[dict]:
             rc = run_train(config, run_sets, out / f"{name}.log", args.run_timeout)
             if rc != 0:
                 raise SystemExit(f"{preset}/{name}: exit {rc} (see {out / f'{name}.log'})")
-        order = resolved_batch_order(load_config(config, run_sets).replay.batch_order, update_mode)
+        run_cfg = load_config(config, run_sets)
+        order = resolved_batch_order(run_cfg.replay.batch_order, update_mode, run_cfg.rollout.partial_rollout)
         rows.append({"mode": name, "eta": eta, "update_mode": update_mode, "batch_order": order,
                      **summarize(run_dir, cfg, args.warmup)})
         print(f"{preset}/{name}: {rows[-1]['steps_per_s']:.3f} steps/s", flush=True)
