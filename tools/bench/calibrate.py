@@ -29,8 +29,8 @@ b. ``actor``: generation alone through the real rollout actor and replay queue (
    per_group_s = max(0, (measured s/batch - planner's s/batch) / groups received per batch), the planner's
    figure being the planner itself run with per_group_s = 0, a free learner and no push (same window, and
    phase b's own keep rate and lengths).
-c. ``learner``: the batches of b replayed into the learner ranks with the engines idle (as
-   throughput.train_only): step seconds fitted to step_base_s + epochs · per_token_s · tokens / R, tokens =
+c. ``learner``: the batches of b replayed into the learner ranks with the engines idle (throughput.train_only's
+   loop): step seconds fitted to step_base_s + epochs · per_token_s · tokens / R, tokens =
    prompt + response tokens of the batch; when the token counts vary by < 10 %, step_base_s = 0 and
    per_token_s = mean s / mean tokens.
 d. ``push``: weight pushes learner -> engines with the engines idle (as tools/bench/push.py): the sender's
@@ -336,7 +336,7 @@ def learner_part(cfg, seconds: list[float], tokens: list[int], warmup: int) -> t
     when = _now()
     base, slope, how = fit_learner(s, t)
     part = {"step_base_s": max(0.0, base), "per_token_s": slope * R / epochs, "scaling_efficiency": 1.0}
-    src = {"learner": f"{when}: train_step on phase b's batches with the engines idle (as throughput.train_only), "
+    src = {"learner": f"{when}: train_step on phase b's batches with the engines idle (throughput.train_only's loop), "
                       f"{len(s)} steps after {warmup} discarded, tokens = prompt + response of the batch "
                       f"({min(t)}..{max(t)}); {how}; per_token_s = slope x ranks {R} / epochs {epochs}; "
                       f"mean step {statistics.mean(s):.3f} s"}

@@ -15,9 +15,9 @@ as a run places them):
   generate into the replay queue with the mode's (eta + 1) x B prompts in flight (admission never binds,
   dynamic sampling on) and nobody trains; g = elapsed time / batches over ``--steps - 2 x --warmup`` batches
   after ``--warmup`` batches (the mode's concurrency matters: sync has only B prompts in flight);
-* t = seconds to train one batch with no generation running: the batches of sync's g phase are replayed
-  into the learner ranks while the engines sit idle (the measured runs record nothing: recording would
-  slow them).
+* t = seconds to train one batch with no generation running: on sync's g placement, once its engines are
+  shut down, the batches of that g phase are replayed into its learner ranks (the measured runs record
+  nothing: recording would slow them).
 
 Per mode: steps/s, samples/s (B x G per step), generated tokens/s (engine counters), trained tokens/s
 (response tokens per step / step time), learner and rollout idle ratios, mean/max staleness, weight-push
@@ -130,27 +130,11 @@ def collect_batches(placed, warmup: int, count: int, timeout_s: float, what: str
     return batches, start
 
 
-def generate_only(cfg, warmup: int, count: int, timeout_s: float) -> tuple[float, list]:
-    """g: seconds per batch of B mixed groups with only the engines working (see the module doc), and the
-    batches (for t). Learners are placed (the run's placement) but never called."""
-    import ray
-
-    from async_dapo.fleet.placement import place
-
-    ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
-    placed = None
-    try:
-        placed = place(cfg)
-        batches, t0 = collect_batches(placed, warmup, count, timeout_s, "generation-only phase")
-        return (time.perf_counter() - t0) / count, batches
-    finally:
-        if placed is not None:
-            placed.shutdown()
-        ray.shutdown()
-
-
-def train_only(cfg, batches: list, warmup: int) -> float:
-    """t: seconds per batch with only the learners working; the engines are placed but never started.
+def generate_only(cfg, warmup: int, count: int, timeout_s: float, then_train: bool = False) -> tuple[float, float | None]:
+    """(g, t): g is seconds per batch of B mixed groups with only the engines working (see the module doc).
+    With ``then_train``, the same placement then measures t: its engines are shut down (nothing generates
+    any more) and the learners, placed with them but never called until now, train on those batches, the
+    first ``warmup`` discarded; else t is None. One placement for both saves a whole start of the stack.
     Each train_step is bounded by placement.call_timeout_s (Placed.on_learners)."""
     import ray
 
@@ -160,15 +144,26 @@ def train_only(cfg, batches: list, warmup: int) -> float:
     placed = None
     try:
         placed = place(cfg)
-        for i, batch in enumerate(batches):
-            if i == warmup:
-                t0 = time.perf_counter()
-            placed.on_learners("train_step", batch)
-        return (time.perf_counter() - t0) / (len(batches) - warmup)
+        batches, t0 = collect_batches(placed, warmup, count, timeout_s, "generation-only phase")
+        g = (time.perf_counter() - t0) / count
+        if not then_train:
+            return g, None
+        placed.get([e.shutdown.remote() for e in placed.serving()], "engine shutdown before training alone",
+                   cfg.placement.health_check_timeout_s)
+        return g, train_only(placed, batches, warmup)
     finally:
         if placed is not None:
             placed.shutdown()
         ray.shutdown()
+
+
+def train_only(placed, batches: list, warmup: int) -> float:
+    """t: seconds per batch with only the learners working."""
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            t0 = time.perf_counter()
+        placed.on_learners("train_step", batch)
+    return (time.perf_counter() - t0) / (len(batches) - warmup)
 
 
 def plot(rows: list[dict], g: float, t: float, path: Path, title: str) -> None:
@@ -199,16 +194,18 @@ def plot(rows: list[dict], g: float, t: float, path: Path, title: str) -> None:
 
 def measure_roles(args, config, cfg, sets: list[str], modes: dict) -> tuple[dict[int, float], float]:
     """({eta: g}, t): each eta's generation alone at its own concurrency (one per eta, not per update mode:
-    with no learner there is no update), then training alone on the batches of the synchronous (B in
-    flight) generation phase."""
+    with no learner there is no update); the smallest eta's (the synchronous window, B in flight) then
+    measures training alone on its own batches."""
     count = max(2, args.steps - 2 * args.warmup)
-    g, batches = {}, {}
-    for eta in sorted({eta for eta, _ in modes.values()}):
+    g, t = {}, None
+    etas = sorted({eta for eta, _ in modes.values()})
+    for eta in etas:
         window = (eta + 1) * cfg.algorithm.train_batch_groups
         role_cfg = load_config(config, sets + ["replay.max_staleness=1000", "replay.capacity_groups=1000000",
                                                     f"rollout.max_inflight_prompts={window}"])
-        g[eta], batches[eta] = generate_only(role_cfg, args.warmup, count, args.run_timeout)
-    return g, train_only(cfg, batches[min(batches)], args.warmup)
+        g[eta], took = generate_only(role_cfg, args.warmup, count, args.run_timeout, then_train=eta == etas[0])
+        t = t if took is None else took
+    return g, t
 
 
 def preset_paths(args, preset: str) -> tuple[str, Path]:
