@@ -46,7 +46,14 @@ _REPLAY_TAGS = {
     "open_tickets": "replay/open_tickets", "forced_batches": "replay/forced_batches",
     "last_batch_length_ratio": "replay/trained_length_ratio", "received_tokens": "replay/received_tokens",
     "handed_out_tokens": "replay/handed_out_tokens", "handed_out_samples": "replay/handed_out_samples",
+    # progress reports of the groups in flight (rollout.partial_every_s)
+    "partials_received": "replay/partials_received", "partials_unexpected": "replay/partials_unexpected",
+    "partials_held": "replay/partials_held", "partials_carried": "replay/partials_carried",
+    "partials_waiting": "replay/partials_waiting", "partials_handed_out": "replay/partials_handed_out",
+    "partial_tokens_handed_out": "replay/partial_tokens_handed_out",
 }
+# engine counters summed over the engine processes and over steps (a replacement counts from zero)
+ENGINE_SUMS = ("aborted_tokens", "continued_tokens", "carried_tokens", "carried_stale_tokens", "partials_unsent")
 
 
 def batch_metrics(groups: list[Group], trained_version: int) -> dict[str, float]:
@@ -91,16 +98,15 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
     dt = max(dt, 1e-9)
     share = {g.engine_rank for g in batch} | set(now)
     out = {f"rollout/{r}/batch_share": sum(g.engine_rank == r for g in batch) / max(len(batch), 1) for r in share}
-    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail", "aborted", "continued"), 0.0)
+    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail", *ENGINE_SUMS), 0.0)
     for rank, s in now.items():
         b = before.get(rank)
         if b is None or b.get("pid") != s.get("pid"):
             b = {}
         d = {k: max(0.0, s.get(k, 0.0) - b.get(k, 0.0))
-             for k in ("gen_tokens", "idle_seconds", "groups_sent", "seq_seconds", "tail_seconds", "aborted_tokens",
-                       "continued_tokens")}
-        totals["aborted"] += d["aborted_tokens"]
-        totals["continued"] += d["continued_tokens"]
+             for k in ("gen_tokens", "idle_seconds", "groups_sent", "seq_seconds", "tail_seconds", *ENGINE_SUMS)}
+        for key in ENGINE_SUMS:
+            totals[key] += d[key]
         occupancy = d["seq_seconds"] / dt / max(s.get("batch_seqs", 1), 1)
         for key, value in zip(("tokens", "idle", "occupancy", "tail"),
                               (d["gen_tokens"], d["idle_seconds"], occupancy, d["tail_seconds"])):
@@ -115,8 +121,8 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
     return out, {"gen_tokens_per_s": totals["tokens"] / dt,
                  "rollout_idle_ratio": min(1.0, totals["idle"] / dt / engines),
                  "rollout_occupancy": totals["occupancy"] / engines,
-                 "rollout_tail_ratio": min(1.0, totals["tail"] / dt / engines), "aborted_tokens": totals["aborted"],
-                 "continued_tokens": totals["continued"]}
+                 "rollout_tail_ratio": min(1.0, totals["tail"] / dt / engines),
+                 **{key: totals[key] for key in ENGINE_SUMS}}
 
 
 def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,
@@ -130,10 +136,13 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
     out.update({f"replay/{k}": float(v) for k, v in queue.items() if k.startswith("abandoned/")})  # by reason
     # response tokens generated and never trained, cumulative, by reason (the queue's drops; abort from the engines)
     out.update({f"rollout/{k}": float(v) for k, v in queue.items() if k.startswith("wasted_tokens/")})
-    if "wasted_abort_tokens" in timing:
-        out["rollout/wasted_tokens/abort"] = float(timing["wasted_abort_tokens"])
-    if "continued_tokens" in timing:  # kept across an abort and continued (rollout.partial_rollout), cumulative
-        out["rollout/continued_tokens"] = float(timing["continued_tokens"])
+    sums = timing.get("engine_sums", {})  # the engines' cumulative counters (ENGINE_SUMS)
+    if sums:
+        out["rollout/wasted_tokens/abort"] = float(sums["aborted_tokens"])
+        out["rollout/wasted_tokens/carried_stale"] = float(sums["carried_stale_tokens"])
+        out["rollout/continued_tokens"] = float(sums["continued_tokens"])  # kept across an abort and continued
+        out["rollout/carried_tokens"] = float(sums["carried_tokens"])  # another engine's, continued after it left
+        out["rollout/partials_unsent"] = float(sums["partials_unsent"])
     step_s = max(timing["step_s"], 1e-9)
     out.update({
         "perf/time_per_step": step_s, "perf/wait_data_s": timing["wait_data_s"],

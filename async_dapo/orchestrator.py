@@ -29,7 +29,7 @@ from async_dapo.config import Config, dump_config
 from async_dapo.data.rows import val_rows
 from async_dapo.rollout.evaluate import merge_parts, split_rows, val_sampling_params
 from async_dapo.metrics import (
-    MetricsWriter, PhaseClock, fleet_metrics, progress_line, step_metrics, timed, val_subsets_line, write_atomic,
+    ENGINE_SUMS, MetricsWriter, PhaseClock, fleet_metrics, progress_line, step_metrics, timed, val_subsets_line, write_atomic,
 )
 from async_dapo.stream.wire import read_groups, write_groups
 from async_dapo.fleet.supervise import EngineSupervisor
@@ -69,8 +69,7 @@ class Run:
         self._started_ray = False
         self._ray_park = None  # set it to let connect_ray's parked thread end
         self._last: dict[str, Any] = {"engines": {}, "t": time.perf_counter()}  # the engines' previous counters
-        self._wasted_abort = 0.0  # tokens the engines aborted since the start (rollout/wasted_tokens/abort)
-        self._continued = 0.0  # tokens kept across an abort and continued since the start (rollout/continued_tokens)
+        self._engine_sums = dict.fromkeys(ENGINE_SUMS, 0.0)  # the engines' counters since the start, all processes
         self._t_start = time.perf_counter()
         self._steps_done = 0
         self._push_failed_before = False
@@ -117,15 +116,17 @@ class Run:
                 f"over {len(times)} steps ({measured / self._predicted_s - 1:+.0%})")
 
     def _waste_line(self) -> str:
-        """The response tokens generated and never trained, by reason, and those kept across an abort
-        (rollout/wasted_tokens/<reason>, rollout/continued_tokens at the last step)."""
+        """The response tokens generated and never trained, by reason, those kept across an abort and those an
+        engine that left made and another continued (rollout/wasted_tokens/<reason>, rollout/continued_tokens,
+        rollout/carried_tokens at the last step)."""
         m = getattr(self, "last_metrics", {})
         waste = {k.rsplit("/", 1)[1]: int(v) for k, v in m.items() if k.startswith("rollout/wasted_tokens/")}
         if not waste:
             return ""
         by_reason = ", ".join(f"{k} {v}" for k, v in waste.items())
         return (f"\n  {'tokens not trained':<18} {sum(waste.values()):8d} ({by_reason}); continued after an abort: "
-                f"{int(m.get('rollout/continued_tokens', 0))}")
+                f"{int(m.get('rollout/continued_tokens', 0))}; continued on another engine: "
+                f"{int(m.get('rollout/carried_tokens', 0))}")
 
     def last_checkpoint(self) -> str:
         return checkpoints.last_checkpoint(self.dir.path)
@@ -325,10 +326,9 @@ class Run:
         per_engine, fleet = fleet_metrics(engines, self._last["engines"], t - self._last["t"], batch)
         # an engine that did not answer this time keeps its last counters (its next answer is a delta of them)
         self._last = {"engines": {**self._last["engines"], **engines}, "t": t}
-        self._wasted_abort += fleet.pop("aborted_tokens")  # engines count per process: summed over steps here
-        self._continued += fleet.pop("continued_tokens")
-        timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s, "wasted_abort_tokens": self._wasted_abort,
-                  "continued_tokens": self._continued,
+        for key in ENGINE_SUMS:  # engines count per process: summed over steps here
+            self._engine_sums[key] += fleet.pop(key)
+        timing = {"step_s": now - t0, "wait_data_s": self._wait_data_s, "engine_sums": self._engine_sums,
                   "weight_push_s": push.get("push_s", 0.0), "weight_push_stall_s": self._push_stall_s, **fleet}
         self._push_stall_s = 0.0  # a step without a push (weight_sync.every_k_steps > 1) stalls nothing
         m = {**step_metrics(batch, stats, queue, trained_version=self._batch_version, timing=timing), **per_engine}

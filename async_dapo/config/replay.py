@@ -38,6 +38,12 @@ class ReplayConfig(Section):
         "fill waits for an earlier-admitted group still generating; then it is handed out in admission "
         "order among the queued groups.",
     )
+    carry_partials: bool = Field(
+        True, description="With rollout.partial_every_s > 0: the prompts of an engine that leaves the fleet "
+        "go back to the cursor with that engine's last progress report, and the engine that takes such a "
+        "prompt next continues its samples from there. false = the reports are kept but never carried: what "
+        "a leave throws away is counted (rollout/wasted_tokens/engine_loss, scale_down), for comparison.",
+    )
     silence_timeout_s: float = Field(
         900, gt=0, description="The learner's wait for a batch fails when no group at all arrived for this "
         "many seconds (bounds silence, not duration: a slow engine that keeps delivering groups is never "

@@ -69,6 +69,20 @@ class RolloutConfig(Section):
         "rollout), instead of resampled from scratch; a kept prefix whose oldest token is already more than "
         "replay.max_staleness versions old is thrown away (its samples would be dropped as stale).",
     )
+    partial_every_s: float = Field(
+        0.0, ge=0, description="Every this many seconds each rollout actor reports the progress of its groups "
+        "in flight (each sample's tokens, log-probs and versions so far, one signed message per group that "
+        "moved) to the replay queue, which keeps the latest: when the engine leaves the fleet (dies, hangs or "
+        "is scaled down) another engine continues those samples instead of starting them again. With it, "
+        "update_mode inflight aborts the running requests and continues each from its tokens after the load "
+        "(SGLang tells an unfinished request's per-token versions only when it finishes). 0 = off: a "
+        "leaving engine's in-flight tokens are lost.",
+    )
+    partial_every_tokens: int = Field(
+        50, ge=1, description="With rollout.partial_every_s > 0: how often (in generated tokens per sample) "
+        "the engine hands a running sample's new tokens to its rollout actor (the streamed request's "
+        "stream_interval), which is the finest progress a report can hold.",
+    )
     request_timeout_s: float = Field(
         600, gt=0, description="Bound (seconds) on one engine request (a group's n samples go as ONE batched "
         "request; a redrawn sample as one more) and on queueing the finished group for sending: on expiry the "

@@ -15,7 +15,8 @@ ticket ends in exactly one of three ways, and each one is counted:
 * nobody reports for ``replay.ticket_ttl_s``, or its rollout actor died → expired / released.
 
 An abandoned, expired or released ticket gives its admission slot back and its prompt back to the cursor
-(re-issued first), and is counted in ``abandoned/<reason>``. A group that arrives for a ticket that is no
+(re-issued first), and is counted in ``abandoned/<reason>``. A ticket released because its engine left carries
+that engine's last progress report (:mod:`async_dapo.replay.partials`) to the next admission of its prompt. A group that arrives for a ticket that is no
 longer outstanding (expired, released, or from another run) is dropped and counted
 (``rejected_unexpected``): the prompt was already given back, so it must not be trained twice.
 """
@@ -33,9 +34,10 @@ from typing import Any
 
 from async_dapo.config import Config, engine_ceiling, resolved_batch_order
 from async_dapo.data.rows import PromptCursor, prompt_ids, train_rows
+from async_dapo.replay.partials import Claim, PartialStore
 from async_dapo.replay.policy import ACCEPTED, ReplayPolicy
 from async_dapo.stream.transport import GroupReceiver, new_secret
-from async_dapo.stream.wire import Group
+from async_dapo.stream.wire import Group, Partial
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,9 @@ class Ticket:
     def wire(self) -> tuple[str, int, int, int]:
         return self.group_id, self.epoch, self.index, self.version
 
+    def claim(self) -> Claim:
+        return Claim(self.group_id, self.epoch, self.index, self.engine_rank)
+
 
 class ReplayQueue:
     """Async actor body: ``admit`` / group arrival / ``get_batch`` / ``set_version`` / ``abandon``."""
@@ -89,6 +94,7 @@ class ReplayQueue:
         self._changed: asyncio.Condition | None = None
         self._receiving: asyncio.Task | None = None
         self.tickets: dict[str, Ticket] = {}
+        self.partials = PartialStore(carry=cfg.replay.carry_partials)  # progress of the groups in flight
         # engine rank -> the incarnation (one actor process) whose admissions count; a dead actor's admit
         # call that was still waiting must not take tickets nobody will produce.
         self.producers: dict[int, str] = {}
@@ -123,10 +129,15 @@ class ReplayQueue:
     # ------------------------------------------------------------------ arrivals
     async def _receive_forever(self) -> None:
         while True:
-            group = await self.receiver.arecv(timeout_ms=1000)
-            self._expire(time.monotonic())
-            if group is not None:
-                self._arrive(group)
+            message = await self.receiver.arecv(timeout_ms=1000)
+            expired = self._expire(time.monotonic())
+            if isinstance(message, Partial):
+                ticket = self.tickets.get(message.group_id)
+                self.partials.report(message, None if ticket is None else ticket.claim())
+                if not expired:
+                    continue  # progress changes nothing anyone waits for: no wake-up
+            elif message is not None:
+                self._arrive(message)
             await self._notify()
 
     def _arrive(self, group: Group) -> None:
@@ -139,6 +150,7 @@ class ReplayQueue:
                 self.tickets[ticket.group_id] = ticket
             return
         self.last_arrival = time.monotonic()
+        self.partials.end(ticket.group_id)
         try:
             outcome = self.policy.on_group(group, ticket.order)
         except Exception as exc:  # one bad group must not end the receive task
@@ -156,6 +168,7 @@ class ReplayQueue:
     def _abandon(self, ticket: Ticket, reason: str) -> bool:
         if self.tickets.pop(ticket.group_id, None) is None:
             return False
+        self.partials.release(ticket.claim(), reason)
         self.policy.abandon(1)
         self.abandoned[reason] += 1
         if not (reason in SCORE_FAILURES and self._count_score_failure(ticket.index)):
@@ -175,11 +188,14 @@ class ReplayQueue:
                   row.ground_truth, row.prompt[-1].content)
         return True
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, now: float) -> bool:
+        """Abandon the tickets older than replay.ticket_ttl_s; True if there were any."""
         ttl = self.cfg.replay.ticket_ttl_s
-        for ticket in [t for t in self.tickets.values() if now - t.admitted_at > ttl]:
+        old = [t for t in self.tickets.values() if now - t.admitted_at > ttl]
+        for ticket in old:
             log.warning("ticket %s (engine %d) expired after %.0f s", ticket.group_id, ticket.engine_rank, ttl)
             self._abandon(ticket, "expired")
+        return bool(old)
 
     @staticmethod
     def _bind_host(cfg: Config) -> str:
@@ -213,10 +229,11 @@ class ReplayQueue:
         self.producers[engine_rank] = incarnation
 
     async def admit(self, engine_rank: int, max_prompts: int, wait_s: float = 5.0,
-                    incarnation: str | None = None) -> list[tuple[str, int, int, int]]:
+                    incarnation: str | None = None) -> list[tuple[str, int, int, int, Partial | None]]:
         """Wait up to ``wait_s`` until the admission rule allows at least one prompt; returns up to
-        ``max_prompts`` tickets (group id, epoch, prompt index, version at admission), or [] on expiry or
-        when ``incarnation`` is not (or no longer) the registered producer of ``engine_rank``."""
+        ``max_prompts`` tickets (group id, epoch, prompt index, version at admission, and the progress an
+        engine that left made on that prompt, to continue from, or None), or [] on expiry or when
+        ``incarnation`` is not (or no longer) the registered producer of ``engine_rank``."""
         t0 = time.perf_counter()
         async with self._cond():
             try:
@@ -237,7 +254,7 @@ class ReplayQueue:
                    for (e, i), n in zip(picks, serials)]
         self.tickets.update({t.group_id: t for t in tickets})
         self.wait_seconds["admit"] += time.perf_counter() - t0
-        return [t.wire() for t in tickets]
+        return [(*t.wire(), self.partials.take(t.epoch, t.index)) for t in tickets]
 
     async def abandon(self, group_id: str, reason: str) -> bool:
         """A producer will never send this ticket's group: free its slot, give its prompt back, count it.
@@ -251,8 +268,11 @@ class ReplayQueue:
         """Abandon every outstanding ticket of one rollout actor (it died or was replaced)."""
         self.producers.pop(engine_rank, None)
         mine = [t for t in self.tickets.values() if t.engine_rank == engine_rank]
+        carried = self.partials.counts["carried"]
         for ticket in mine:
             self._abandon(ticket, reason)
+        log.info("engine %d left (%s): %d prompts back to the cursor, %d with its progress carried", engine_rank,
+                 reason, len(mine), self.partials.counts["carried"] - carried)
         await self._notify()
         return len(mine)
 
@@ -331,6 +351,7 @@ class ReplayQueue:
         wire = {k: v for k, v in self.receiver.counters.items() if k.startswith("rejected_")}
         return {**self.policy.stats.snapshot(), **wire, **{f"abandoned/{k}": v for k, v in self.abandoned.items()},
                 "rejected_unexpected": self.unexpected, "retired_prompts": len(self.cursor.retired),
+                **self.partials.stats(),
                 # Counted from the ticket table itself, not from the counters (``running`` is derived from them):
                 # a ticket lost without being counted shows as running > open_tickets.
                 "open_tickets": len(self.tickets), "forced_batches": self.forced_batches,

@@ -22,6 +22,18 @@ Weight updates, three modes (``rollout.update_mode``), all exact about per-token
 The load itself (and joining or leaving the weight-update group) is ``async_dapo.weights.sync``'s engine
 end; a refused load raises here, and the caller fails the sender rather than leaving it hanging.
 
+Progress reports (``rollout.partial_every_s`` > 0): a training request is then streamed, so that the engine
+hands each running sample's tokens over every ``rollout.partial_every_tokens`` with their log-probs; every
+``partial_every_s`` each group in flight whose tokens moved is reported to the replay queue as a
+:class:`~async_dapo.stream.wire.Partial`. SGLang tells a request's per-token versions only when it finishes
+(an abort finishes it too), so no request may run across a load: with reports on, an ``inflight`` update
+aborts the running requests and continues each from prompt + its tokens after the load, as ``abort`` with
+``partial_rollout`` does. That is the same work as SGLang's retract (whose KV cache is dropped and
+recomputed too), and every request then runs on the one version it began on. If this engine leaves the
+fleet, the queue hands the last report with the prompt's next ticket to another engine, which continues each unfinished sample from its tokens (their
+log-probs and versions kept, as an abort with ``rollout.partial_rollout`` does) and takes the finished ones
+as they are.
+
 Failures never lose a prompt: a group whose sampling, scoring, encoding or sending fails (engine error,
 exception in the reward function, oversized or unsendable message, request aborted by the engine more than
 ``rollout.max_abort_retries`` times, or unanswered for ``rollout.request_timeout_s``) is reported to the
@@ -51,7 +63,7 @@ from async_dapo.data.rows import PromptRow, encode_prompt, train_rows
 from async_dapo.device import engine_dtype, pin_threads, resolve_device, seed_everything
 from async_dapo.data.reward import RewardResult, overlong_penalty
 from async_dapo.data.scoring import Scorer, ScoringFailed
-from async_dapo.stream.wire import Group, OversizedMessage, Sample
+from async_dapo.stream.wire import Group, OversizedMessage, Partial, Progress, Sample, WireError
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +115,15 @@ class Prefix:
     logprobs: list[float]
     versions: np.ndarray
     seconds: float
+    carried: int = 0  # how many of the leading tokens another engine made (a carried progress report)
+
+    @staticmethod
+    def carried_from(progress: Progress) -> "Prefix | None":
+        """The tokens another engine reported for one sample before it left (None: it had none)."""
+        if not progress.num_tokens:
+            return None
+        return Prefix(progress.response_ids.tolist(), progress.logprobs.tolist(), np.asarray(progress.versions),
+                      progress.gen_seconds, progress.num_tokens)
 
     @staticmethod
     def of(out: dict[str, Any], start_version: int, seconds: float, before: "Prefix | None" = None) -> "Prefix":
@@ -116,7 +137,7 @@ class Prefix:
         if before is None:
             return Prefix(ids, logprobs, versions, seconds)
         return Prefix(before.ids + ids, before.logprobs + logprobs, np.concatenate([before.versions, versions]),
-                      before.seconds + seconds)
+                      before.seconds + seconds, before.carried)
 
     def joined(self, out: dict[str, Any], start_version: int, seconds: float) -> dict[str, Any]:
         """The finished continuation ``out`` with this prefix in front: one completion as the engine would
@@ -144,8 +165,67 @@ def _remaining(params: dict[str, Any], prefix: Prefix | None) -> dict[str, Any]:
     return {**params, "max_new_tokens": params["max_new_tokens"] - len(prefix.ids)}
 
 
+def _finished_as(reason: str) -> dict[str, Any]:
+    """An empty completion that ends a prefix with ``reason``: the prefix is the whole sample."""
+    return {"output_ids": [], "meta_info": {"finish_reason": {"type": reason}, "output_token_logprobs": []}}
+
+
 # A prefix already at the response budget (an abort that raced the request's own finish) is complete.
-_AT_BUDGET = {"output_ids": [], "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": []}}
+_AT_BUDGET = _finished_as("length")
+
+
+@dataclass
+class _Slot:
+    """One sample of a group in flight, for the progress reports: the engine request running it now and its
+    latest streamed output, the prefix that request continues, and the finished completion once there is one."""
+
+    rid: str | None = None
+    start: tuple[int, int] = (0, 0)  # (updates started, version) when its request began
+    prefix: Prefix | None = None
+    latest: dict[str, Any] | None = None
+    known: tuple | None = None  # the last progress of this request known exactly
+    done: dict[str, Any] | None = None
+
+    def begin(self, rid: str, start: tuple[int, int], prefix: Prefix | None) -> None:
+        self.rid, self.start, self.prefix, self.latest, self.known = rid, start, prefix, None, None
+
+
+@dataclass
+class _Track:
+    """A group in flight: its ticket and its samples' slots, and the tokens its last report held."""
+
+    epoch: int
+    index: int
+    slots: list[_Slot]
+    reported: int = 0
+    sending: concurrent.futures.Future | None = None  # its last report, until the sender's thread took it
+
+
+def _progress_of(slot: _Slot, now: tuple[int, int] | None) -> tuple[list[int], list[float], np.ndarray, str, float]:
+    """(ids, logprobs, versions, finish reason or "", seconds) of one sample as far as the engine got, known
+    exactly. ``now``: (updates started, version) of the engine, None while an update runs. An unfinished
+    request's tokens are all of the version it began on if ``now`` is what it began with; otherwise an update
+    may have changed the weights under them at a point SGLang does not tell until the request finishes, and
+    what was last known exactly is reported again."""
+    if slot.done is not None:
+        out, meta = slot.done, slot.done["meta_info"]
+        ids = list(out["output_ids"])
+        versions = out["_versions"] if "_versions" in out else token_versions(
+            meta.get("weight_versions"), len(ids), out["_start_version"])
+        finish = (meta.get("finish_reason") or {}).get("type") or "stop"
+        return ids, [lp for lp, *_ in meta["output_token_logprobs"]], versions, finish, out["_seconds"]
+    head = slot.prefix or Prefix([], [], np.zeros(0, np.int32), 0.0)
+    meta = slot.latest["meta_info"] if slot.latest is not None else {}
+    finish = (meta.get("finish_reason") or {}).get("type") or ""
+    settled = finish or now == slot.start  # a finished output carries its versions; else none changed since
+    if slot.latest is None or finish == "abort" or not settled:  # (an aborted request's tokens: abort's own rules)
+        return slot.known or (head.ids, head.logprobs, head.versions, "", head.seconds)
+    logprobs = [lp for lp, *_ in meta.get("output_token_logprobs") or ()]
+    n = len(logprobs)  # an unfinished output's ids are the engine's own growing list: cut to this chunk's length
+    tail = token_versions(meta.get("weight_versions"), n, slot.start[1])
+    slot.known = (head.ids + list(slot.latest["output_ids"][:n]), head.logprobs + logprobs,
+                  np.concatenate([head.versions, tail]), finish, head.seconds)
+    return slot.known
 
 
 def fit_prompt(cfg: Config, prompt: list[int], index: int) -> list[int]:
@@ -158,6 +238,18 @@ def fit_prompt(cfg: Config, prompt: list[int], index: int) -> list[int]:
     if cfg.data.truncation == "left":
         return prompt[-limit:]
     raise GroupFailed("prompt_too_long", f"prompt {index}: {len(prompt)} tokens > data.max_prompt_length {limit}")
+
+
+async def _last_chunks(outputs, slots: list[_Slot], n: int | None) -> Any:
+    """A streamed request's result, as a plain request returns it (one completion, or with ``n`` a list):
+    each completion's last output; every output is kept in its completion's slot meanwhile."""
+    final: list[dict[str, Any] | None] = [None] * len(slots)
+    async for out in outputs:
+        i = out.get("index", 0)
+        slots[i].latest = out
+        if out["meta_info"].get("finish_reason") is not None:
+            final[i] = out
+    return final if n else final[0]
 
 
 async def gather_all(coros) -> list:
@@ -184,6 +276,10 @@ class _Stats:
     resampled: int = 0
     aborted_tokens: int = 0  # tokens of requests aborted (by an abort-mode update or the engine): never trained
     continued_tokens: int = 0  # tokens an abort cut short, kept and continued (rollout.partial_rollout)
+    carried_tokens: int = 0  # tokens another engine made before it left, continued here (or taken as finished)
+    carried_stale_tokens: int = 0  # of those, thrown away: older than replay.max_staleness when they arrived
+    partials_sent: int = 0  # progress reports queued for sending (rollout.partial_every_s)
+    partials_unsent: int = 0  # reports not sent: oversized, or the stream was backed up for a whole cadence
     failed_groups: int = 0
     updates: int = 0
     update_seconds: float = 0.0
@@ -209,11 +305,15 @@ class EngineSession:
         self.admitting.set()
         self.weights_ready.set()
         self.inflight: set[asyncio.Task] = set()
+        self.tracks: dict[str, _Track] = {}  # group id -> its samples' progress (rollout.partial_every_s)
         self._prompt_ids: dict[int, list[int]] = {}
         self.sender = None
         self.queue = None
         self._scorer: Scorer | None = None  # worker processes, started at the first score
         self.updates_started = 0  # a request aborted while this moved was aborted by our own update
+        # whether the tokens of a request our own update aborts are kept and continued (see update())
+        self.keep_aborted = cfg.rollout.partial_rollout
+        self.closing = False  # set by the actor's shutdown: no more progress reports
         self.update_started_at: float | None = None  # monotonic time of the running update, if any
         self.loading_since: float | None = None  # the same, less a drain: since when it waits for the weights
         # zmq sockets are not thread-safe and a send may block on the high-water mark: one sender thread.
@@ -221,19 +321,27 @@ class EngineSession:
 
     # ------------------------------------------------------------------ sampling
     async def _request(self, prompt_ids: list[int], params: dict[str, Any], n: int | None = None, *,
-                       rid: str | None = None) -> Any:
+                       rid: str | None = None, slots: list[_Slot] | None = None, prefix: Prefix | None = None) -> Any:
         """One engine request, bounded by ``rollout.request_timeout_s`` (aborted on expiry): one completion,
         or with ``n`` a list of n completions of the same prompt sent as ONE batch (one message through the
         tokenizer manager and the scheduler instead of n: that per-request overhead is what a CPU engine
-        with ~5-token answers spends its time on)."""
+        with ~5-token answers spends its time on). ``slots`` (one per completion; the ``prefix`` the request
+        continues): with progress reports on, the request is streamed and each slot holds its completion's
+        latest output."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         rids = [uuid.uuid4().hex for _ in range(n)] if n else [rid or uuid.uuid4().hex]
-        obj = GenerateReqInput(input_ids=[list(prompt_ids)] * n if n else list(prompt_ids),
+        for slot, r in zip(slots or (), rids):
+            slot.begin(r, (self.updates_started, self.version), prefix)
+        stream = bool(slots) and self.cfg.rollout.partial_every_s > 0
+        if stream:
+            params = {**params, "stream_interval": self.cfg.rollout.partial_every_tokens}
+        obj = GenerateReqInput(input_ids=[list(prompt_ids)] * n if n else list(prompt_ids), stream=stream,
                                sampling_params=dict(params), return_logprob=True, rid=rids if n else rids[0])
         timeout = self.cfg.rollout.request_timeout_s
         try:
-            return await asyncio.wait_for(self.tm.generate_request(obj, None).__anext__(), timeout)
+            outputs = self.tm.generate_request(obj, None)
+            return await asyncio.wait_for(_last_chunks(outputs, slots, n) if stream else outputs.__anext__(), timeout)
         except asyncio.TimeoutError:
             self._abort(rids)
             raise GroupFailed("timeout", f"no result from the engine in {timeout:.0f} s "
@@ -256,52 +364,55 @@ class EngineSession:
         while any(rid in table for rid in rids) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    async def sample_n(self, prompt_ids: list[int], params: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    async def sample_n(self, prompt_ids: list[int], params: dict[str, Any], n: int,
+                       slots: list[_Slot] | None = None) -> list[dict[str, Any]]:
         """``n`` completions of one prompt, requested as one batch. A completion the batch lost to an abort is
         drawn again alone by :meth:`sample_once`, under its rules (an abort we did not cause counts as its
-        first try)."""
+        first try). ``slots``: the group's, for its progress reports."""
         # Bounded by the update that cleared it: update() sets it again in its finally, and the load inside is
         # bounded by weight_sync.timeout_s (a stuck update gets the actor replaced by the supervisor).
         await self.weights_ready.wait()
         start_version, updates = self.version, self.updates_started
         t0 = time.perf_counter()
-        outs = await self._request(prompt_ids, params, n)
+        outs = await self._request(prompt_ids, params, n, slots=slots)
         seconds = time.perf_counter() - t0
         redraw = []
         for i, out in enumerate(outs):
+            slot = slots[i] if slots else None
             if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
                 ours = updates != self.updates_started
                 prefix = self._after_abort(out, start_version, seconds, ours, None)
-                redraw.append((i, self.sample_once(prompt_ids, params, int(not ours), prefix)))
+                redraw.append((i, self.sample_once(prompt_ids, params, int(not ours), prefix, slot)))
             else:
                 out["_start_version"], out["_seconds"] = start_version, seconds
+                if slot is not None:
+                    slot.done = out
         for i, out in zip([i for i, _ in redraw], await gather_all(c for _, c in redraw)):
             outs[i] = out
         return outs
 
     async def sample_once(self, prompt_ids: list[int], params: dict[str, Any], foreign_aborts: int = 0,
-                          prefix: Prefix | None = None) -> dict[str, Any]:
+                          prefix: Prefix | None = None, slot: _Slot | None = None) -> dict[str, Any]:
         """One completion, continued from ``prefix`` if given. If an abort-mode update aborts it, it is drawn
         again from scratch, or with ``rollout.partial_rollout`` continued from the tokens it had. An abort we
         did not cause (e.g. the engine refused the request) is retried, from scratch or from the prefix it
-        started from, at most ``rollout.max_abort_retries`` times."""
+        started from, at most ``rollout.max_abort_retries`` times. ``slot``: its group's, for the reports."""
         while True:
             await self.weights_ready.wait()  # bounded as in sample_n
             start_version, updates = self.version, self.updates_started
             prefix = self._still_fresh(prefix, start_version)
             if prefix is not None and len(prefix.ids) >= params["max_new_tokens"]:
-                self.stats.continued_tokens += len(prefix.ids)
-                return prefix.joined(_AT_BUDGET, start_version, 0.0)
+                return self._finish(slot, prefix.joined(_AT_BUDGET, start_version, 0.0), prefix)
             t0 = time.perf_counter()
-            out = await self._request(prompt_ids + (prefix.ids if prefix else []), _remaining(params, prefix))
+            out = await self._request(prompt_ids + (prefix.ids if prefix else []), _remaining(params, prefix),
+                                      slots=[slot] if slot else None, prefix=prefix)
             seconds = time.perf_counter() - t0
             finish = (out["meta_info"].get("finish_reason") or {}).get("type")
             if finish != "abort":
                 if prefix is not None:
-                    self.stats.continued_tokens += len(prefix.ids)
-                    return prefix.joined(out, start_version, seconds)
+                    return self._finish(slot, prefix.joined(out, start_version, seconds), prefix)
                 out["_start_version"], out["_seconds"] = start_version, seconds
-                return out
+                return self._finish(slot, out, None)
             ours = updates != self.updates_started
             prefix = self._after_abort(out, start_version, seconds, ours, prefix)
             if not ours:
@@ -311,15 +422,25 @@ class EngineSession:
                     raise GroupFailed("aborted", f"the engine aborted the request {foreign_aborts} times: "
                                       f"{out['meta_info'].get('finish_reason')}")
 
+    def _finish(self, slot: _Slot | None, out: dict[str, Any], prefix: Prefix | None) -> dict[str, Any]:
+        """A finished completion: counted by where its prefix came from, and recorded in its slot."""
+        if prefix is not None:
+            self.stats.continued_tokens += len(prefix.ids) - prefix.carried
+            self.stats.carried_tokens += prefix.carried
+        if slot is not None:
+            slot.done = out
+        return out
+
     def _after_abort(self, out: dict[str, Any], start_version: int, seconds: float, ours: bool,
                      prefix: Prefix | None) -> Prefix | None:
-        """What is kept of an aborted request: with ``rollout.partial_rollout``, an abort by our own update
-        extends the prefix it continued from (None before: a new one), and an abort we did not cause keeps
-        that prefix as it was; otherwise nothing is kept and the sample is drawn again from scratch. The
-        tokens not kept are counted as aborted (never trained)."""
+        """What is kept of an aborted request: when our updates keep aborted work (``rollout.partial_rollout``,
+        or an in-flight update with progress reports), an abort by our own update extends the prefix it
+        continued from (None before: a new one), and an abort we did not cause keeps that prefix as it was;
+        otherwise nothing is kept and the sample is drawn again from scratch. The tokens not kept are counted
+        as aborted (never trained)."""
         self.stats.resampled += 1
         new = len(out.get("output_ids") or ())
-        if self.cfg.rollout.partial_rollout:
+        if self.keep_aborted:
             if not ours:
                 self.stats.aborted_tokens += new
                 return prefix
@@ -336,7 +457,8 @@ class EngineSession:
         version is at least the engine's), so its tokens are counted as aborted and it starts again."""
         if prefix is None or not prefix.ids or version - int(prefix.versions.min()) <= self.cfg.replay.max_staleness:
             return prefix
-        self.stats.aborted_tokens += len(prefix.ids)
+        self.stats.aborted_tokens += len(prefix.ids) - prefix.carried
+        self.stats.carried_stale_tokens += prefix.carried
         return None
 
     @property
@@ -370,14 +492,25 @@ class EngineSession:
             truncated=finish == "length", finish_reason=finish, gen_seconds=out["_seconds"],
         )
 
-    async def sample_group(self, group_id: str, epoch: int, index: int, admitted_version: int) -> Group:
-        """G scored samples of prompt ``index`` as one group."""
+    async def sample_group(self, group_id: str, epoch: int, index: int, admitted_version: int,
+                           carried: Partial | None = None) -> Group:
+        """G scored samples of prompt ``index`` as one group; with ``carried`` (the progress an engine that
+        left made on it), its finished samples are taken as they are and the others continued."""
         row = self.rows[index]
         if index not in self._prompt_ids:  # a prompt comes back every epoch: tokenize it once
             self._prompt_ids[index] = fit_prompt(self.cfg, encode_prompt(self.tokenizer, row), index)
         prompt = self._prompt_ids[index]
         params = sampling_params(self.cfg)
-        outs = await self.sample_n(prompt, params, self.cfg.rollout.n)
+        n = self.cfg.rollout.n
+        track = self.tracks[group_id] = _Track(epoch, index, [_Slot() for _ in range(n)])
+        try:
+            if carried is not None and len(carried.samples) == n:
+                outs = await gather_all(self._carry_on(prompt, params, p, slot)
+                                        for p, slot in zip(carried.samples, track.slots))
+            else:  # (a report of another group size: a resume that changed rollout.n; it is not used)
+                outs = await self.sample_n(prompt, params, n, track.slots)
+        finally:
+            self.tracks.pop(group_id, None)
         results = await self._score_texts(row, self._texts(outs))
         samples = tuple(self._sample(o, r) for o, r in zip(outs, results))
         self.stats.samples += len(samples)
@@ -388,6 +521,18 @@ class EngineSession:
             ground_truth=row.ground_truth, data_source=row.data_source, samples=samples,
             created_at=time.time(), admitted_version=admitted_version,
         )
+
+    async def _carry_on(self, prompt: list[int], params: dict[str, Any], progress: Progress,
+                        slot: _Slot) -> dict[str, Any]:
+        """One sample another engine reported before it left: as it is if it had finished, else continued
+        from its tokens (drawn afresh if it had none, or if they are past replay.max_staleness: the group
+        would be dropped as stale)."""
+        prefix = self._still_fresh(Prefix.carried_from(progress), self.version)
+        if progress.finished and prefix is not None:
+            self.stats.carried_tokens += prefix.carried
+            slot.done = prefix.joined(_finished_as(progress.finish_reason), self.version, 0.0)
+            return slot.done
+        return await self.sample_once(prompt, params, prefix=prefix, slot=slot)
 
     async def validate(self, rows: list[PromptRow], k: int, params: dict[str, Any]) -> dict[str, Any]:
         """``k`` samples of each row by the same path as training groups (:meth:`sample_n`), scored by the
@@ -408,9 +553,10 @@ class EngineSession:
                 "gen_tokens": sum(len(v) for v in versions)}
 
     # ------------------------------------------------------------------ producer
-    async def _emit(self, group_id: str, epoch: int, index: int, version: int) -> None:
+    async def _emit(self, group_id: str, epoch: int, index: int, version: int,
+                    carried: Partial | None = None) -> None:
         try:
-            group = await self.sample_group(group_id, epoch, index, version)
+            group = await self.sample_group(group_id, epoch, index, version, carried)
             timeout_ms = int(self.cfg.rollout.request_timeout_s * 1000)
             await asyncio.get_running_loop().run_in_executor(
                 self._send_pool, lambda: self.sender.send(group, timeout_ms=timeout_ms))
@@ -452,11 +598,58 @@ class EngineSession:
     async def produce(self, queue) -> None:
         """Admit prompts while the queue allows, keep up to max_inflight_prompts groups running."""
         self.queue = queue
-        sampler = asyncio.ensure_future(self._sample_occupancy())
+        helpers = [asyncio.ensure_future(self._sample_occupancy())]
+        if self.cfg.rollout.partial_every_s > 0:
+            helpers.append(asyncio.ensure_future(self._report_progress()))
         try:
             await self._produce(queue)
         finally:
-            sampler.cancel()
+            for helper in helpers:
+                helper.cancel()
+
+    async def _report_progress(self) -> None:
+        """Every rollout.partial_every_s, report each group in flight whose tokens moved since its last
+        report (read here, on the engine's loop; encoded and sent on the sender's thread, at most one per group
+        waiting for it). A report the stream cannot take within one cadence is skipped: the next one carries
+        its tokens too."""
+        every = self.cfg.rollout.partial_every_s
+        while True:
+            await asyncio.sleep(every)
+            try:
+                self._report_moved()
+            except Exception:  # a bug here must not silently end the reports (nobody awaits this task)
+                log.exception("progress reports: this round failed")
+
+    def _report_moved(self) -> None:
+        """One round of reports (see :meth:`_report_progress`)."""
+        every = self.cfg.rollout.partial_every_s
+        now = None if self.update_started_at is not None else (self.updates_started, self.version)
+        for group_id, track in list(self.tracks.items()) if not self.closing else ():
+            if track.sending is not None and not track.sending.done():
+                continue
+            samples = [_progress_of(slot, now) for slot in track.slots]
+            tokens = sum(len(ids) for ids, *_ in samples)
+            if tokens <= track.reported:
+                continue
+            track.reported = tokens
+            track.sending = self._send_pool.submit(self._send_report, group_id, track.epoch, track.index, samples,
+                                                   every)
+
+    def _send_report(self, group_id: str, epoch: int, index: int, samples: list, every: float) -> None:
+        """On the sender's thread: build, encode and send one report, within one cadence."""
+        try:
+            partial = Partial(group_id=group_id, prompt_index=index, epoch=epoch, engine_rank=self.rank,
+                              samples=tuple(Progress(np.asarray(ids, np.int32), np.asarray(lps, np.float32), versions,
+                                                     finish, seconds) for ids, lps, versions, finish, seconds in samples),
+                              sent_at=time.time())
+            self.sender.send(partial, timeout_ms=int(every * 1000))
+            self.stats.partials_sent += 1
+        except (WireError, TimeoutError) as exc:  # oversized, or the stream backed up for a whole cadence
+            self.stats.partials_unsent += 1
+            log.debug("progress report of %s not sent: %s", group_id, exc)
+        except Exception as exc:  # a report is never worth the sender thread (the groups share it)
+            self.stats.partials_unsent += 1
+            log.warning("progress report of %s not sent: %r", group_id, exc)
 
     async def _produce(self, queue) -> None:
         incarnation = uuid.uuid4().hex  # this process: a replacement of the same rank registers anew
@@ -473,8 +666,8 @@ class EngineSession:
                                                                 incarnation), "admit", ADMIT_WAIT_S)
             if not self.inflight:
                 self.stats.idle_seconds += time.perf_counter() - t0
-            for group_id, epoch, index, version in tickets:
-                task = asyncio.ensure_future(self._emit(group_id, epoch, index, version))
+            for group_id, epoch, index, version, carried in tickets:
+                task = asyncio.ensure_future(self._emit(group_id, epoch, index, version, carried))
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
 
@@ -541,7 +734,10 @@ class EngineSession:
                 await self._until_idle("drain")
                 self.loading_since = time.monotonic()
             else:
-                if mode == "abort":
+                # with progress reports no request may run across a load (see the module doc): an in-flight
+                # update aborts them too, and keeps their tokens
+                if mode == "abort" or (mode == "inflight" and self.cfg.rollout.partial_every_s > 0):
+                    self.keep_aborted = mode == "inflight" or self.cfg.rollout.partial_rollout
                     await self._abort_running()
                 # retract: a request that slipped in after the abort resumes on the new weights (as inflight)
                 await self.tm.pause_generation(PauseGenerationReqInput(mode="retract"))
@@ -675,6 +871,7 @@ class RolloutWorker:
                 "stopped": _stopped_children()}
 
     def shutdown(self) -> None:
+        self.session.closing = True  # before the sender's pool goes: a report round may still be due
         if self._producer is not None:
             self._producer.cancel()
         for task in list(self.session.inflight):

@@ -54,7 +54,8 @@ Limits on hostile or broken input (the receiver never raises on bad input):
   - Each message is checked in this order and counted under the first reason that applies
     (``GroupReceiver.counters``): frame count (multipart -> ``rejected_malformed``), size
     (``rejected_oversized``), HMAC tag (``rejected_auth``), then msgpack/schema
-    (``rejected_malformed`` / ``rejected_schema``); a valid group counts as ``received``.
+    (``rejected_malformed`` / ``rejected_schema``); a valid group counts as ``received``, a valid
+    partial group (a group's progress, ``wire.Partial``) as ``received_partials``.
   - Payloads larger than ``max_message_bytes`` but within the hard cap are received, dropped
     before the HMAC or unpacking and counted as ``rejected_oversized``. A sender given
     ``max_message_bytes`` raises ``OversizedMessage`` instead of sending such a group, so the
@@ -145,7 +146,9 @@ from async_dapo.config import (
     receive_max_peers,
     receive_min_budget,
 )
-from async_dapo.stream.wire import Group, OversizedMessage, SchemaMismatch, WireError, decode_group, encode_group
+from async_dapo.stream.wire import (
+    Group, OversizedMessage, Partial, SchemaMismatch, WireError, decode_message, encode_message,
+)
 
 if TYPE_CHECKING:
     from async_dapo.config import Config
@@ -160,7 +163,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # same default as TransportConfig.max_message_bytes
 DEFAULT_MAX_PEERS = 8  # a receiver built by hand; the run's comes from the config (receive_max_peers)
 _COUNTER_NAMES = (
-    "received", "rejected_auth", "rejected_malformed", "rejected_oversized", "rejected_schema",
+    "received", "received_partials", "rejected_auth", "rejected_malformed", "rejected_oversized", "rejected_schema",
     "rejected_peers", "rejected_handshake",
 )
 TAG_BYTES = hashlib.sha256().digest_size  # 32: the HMAC-SHA256 tag that leads a signed frame
@@ -277,18 +280,20 @@ class GroupSender:
             self.close()
             raise
 
-    def send(self, group: Group, timeout_ms: int | None = None) -> None:
-        """Encode and send one group; blocks while the high-water mark is reached (backpressure).
+    def send(self, group: Group | Partial, timeout_ms: int | None = None) -> None:
+        """Encode and send one group (or a group's progress); blocks while the high-water mark is reached
+        (backpressure).
 
         With ``timeout_ms`` it raises ``TimeoutError`` if the group could not be queued in time
         (the group is then not sent). Raises ``OversizedMessage`` (nothing sent) if the encoded
         group exceeds ``max_message_bytes``: the receiver would only drop it.
         """
-        payload = encode_group(group)
+        payload = encode_message(group)
         limit = self.max_message_bytes
         if limit is not None and len(payload) > limit:
+            kind = "partial group" if isinstance(group, Partial) else "group"
             raise OversizedMessage(
-                f"group {group.group_id!r}: {len(payload)} bytes > max_message_bytes {limit}, not sent"
+                f"{kind} {group.group_id!r}: {len(payload)} bytes > max_message_bytes {limit}, not sent"
             )
         self.send_bytes(payload, timeout_ms=timeout_ms)
 
@@ -613,8 +618,8 @@ class GroupReceiver:
         return dict(self._counts)
 
     # -- receiving --------------------------------------------------------------------------
-    def _accept(self, frames: list[Any]) -> Group | None:
-        """Decode one zmq message; count it; return the group or None if it was rejected."""
+    def _accept(self, frames: list[Any]) -> Group | Partial | None:
+        """Decode one zmq message; count it; return the group (or partial group) or None if it was rejected."""
         if len(frames) != 1:
             return self._reject("rejected_malformed", f"message: {len(frames)} frames, expected 1")
         frame = frames[0]
@@ -630,7 +635,7 @@ class GroupReceiver:
             if data is None:
                 return None
         try:
-            group = decode_group(data, max_bytes=self.max_message_bytes)
+            group = decode_message(data, max_bytes=self.max_message_bytes)
         except OversizedMessage as exc:
             return self._reject("rejected_oversized", str(exc))
         except SchemaMismatch as exc:
@@ -640,7 +645,7 @@ class GroupReceiver:
         except Exception as exc:  # a decoder bug must not kill the queue actor
             log.exception("unexpected error decoding a group")
             return self._reject("rejected_malformed", f"message: internal decode error {type(exc).__name__}")
-        self._counts["received"] += 1
+        self._counts["received_partials" if isinstance(group, Partial) else "received"] += 1
         return group
 
     def _authenticated_payload(self, data: memoryview | bytes) -> memoryview | None:
@@ -664,8 +669,8 @@ class GroupReceiver:
         return None
 
     # -- asyncio -------------------------------------------------------------------------------
-    async def arecv(self, timeout_ms: int | None = None) -> Group | None:
-        """Next valid group, or None once ``timeout_ms`` passed (None = wait forever); never blocks the loop.
+    async def arecv(self, timeout_ms: int | None = None) -> Group | Partial | None:
+        """Next valid group (or partial group), or None once ``timeout_ms`` passed (None = wait forever); never blocks the loop.
 
         The deadline is strict: after it, at most one more pending frame is examined, so None
         means "nothing valid yet", not "the socket is empty" -- just call again.

@@ -1,7 +1,9 @@
 """Wire format of the rollout -> replay-queue group stream: typed, versioned, msgpack, never pickle.
 
-One message carries one finished prompt **group** (G samples of one prompt). This module holds the
-schema and the codec only; sockets live in ``async_dapo.stream.transport``.
+One message carries one finished prompt **group** (G samples of one prompt), or the **progress** of a
+group still in flight (:class:`Partial`: each sample's tokens, log-probs and versions so far), which the
+queue keeps so that another engine can finish the group if this one leaves. This module holds the
+schemas and the codec only; sockets live in ``async_dapo.stream.transport``.
 
 Layout (schema ``async_dapo.group``, version 1): a msgpack map whose first keys are ``"schema"`` and
 ``"v"``, then exactly the fields of :class:`Group`; ``"samples"`` is an array of maps holding exactly
@@ -16,6 +18,10 @@ length are checked; then the same invariants the constructors enforce (below) ar
 fault raises :class:`WireError` (or a subclass) with a one-line message that starts with the
 dotted path of the field, e.g. ``samples.2.logprobs: length 5 != response length 6``.
 
+A partial group (schema ``async_dapo.partial``, version 1) has the same layout: the schema keys, then
+exactly the fields of :class:`Partial`, its ``"samples"`` maps holding exactly the fields of
+:class:`Progress`. :func:`decode_message` reads either kind; :func:`decode_group` only groups.
+
 Invariants of :class:`Sample` / :class:`Group` (checked on construction, so also on decode):
   - token ids and versions are int32 and >= 0; ``logprobs`` is float32, finite and <= 1e-4
     (``LOGPROB_TOLERANCE``: a log-softmax is <= 0 in exact arithmetic, but a bf16/fp32 engine can
@@ -24,6 +30,7 @@ Invariants of :class:`Sample` / :class:`Group` (checked on construction, so also
   - ``response_ids``, ``logprobs`` and ``versions`` of a sample have the same length (0 allowed);
   - a group has at least one sample and a non-empty prompt; counters/versions are ints >= 0;
     rewards, scores and times are finite floats.
+The token arrays of :class:`Progress` obey the same rules; a partial has at least one sample.
 """
 
 from __future__ import annotations
@@ -40,17 +47,24 @@ __all__ = [
     "LOGPROB_TOLERANCE",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "PARTIAL_SCHEMA",
     "Group",
     "OversizedMessage",
+    "Partial",
+    "Progress",
     "Sample",
     "SchemaMismatch",
     "WireError",
     "decode_group",
+    "decode_message",
     "encode_group",
+    "encode_message",
+    "encode_partial",
 ]
 
 SCHEMA = "async_dapo.group"
 SCHEMA_VERSION = 1
+PARTIAL_SCHEMA = "async_dapo.partial"  # same version rules as groups (SCHEMA_VERSION)
 # Largest logprob accepted (see module docstring): rounding noise, not a modelling choice.
 LOGPROB_TOLERANCE = 1e-4
 
@@ -176,9 +190,40 @@ def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
 
 
+def _set_token_arrays(obj: Any) -> None:
+    """Normalise and check ``obj``'s token-aligned arrays (response_ids, logprobs, versions) and set its
+    version range: the rules a sample and a sample in progress share."""
+    ids = _as_1d("response_ids", obj.response_ids, _I32)
+    logprobs = _as_1d("logprobs", obj.logprobs, _F32)
+    versions = _as_1d("versions", obj.versions, _I32)
+    for name, arr in (("logprobs", logprobs), ("versions", versions)):
+        if arr.shape[0] != ids.shape[0]:
+            raise WireError(f"{name}: length {arr.shape[0]} != response length {ids.shape[0]}")
+    _check_nonneg("response_ids", ids)
+    _check_logprobs("logprobs", logprobs)
+    if versions.size:
+        vmin, vmax = int(versions.min()), int(versions.max())
+        if vmin < 0:
+            raise WireError(f"versions: must be >= 0, got {vmin}")
+        _set(obj, "_min_version", vmin)
+        _set(obj, "_max_version", vmax)
+    _set(obj, "response_ids", ids)
+    _set(obj, "logprobs", logprobs)
+    _set(obj, "versions", versions)
+
+
 # ------------------------------------------------------------------------------------ schema
+class _Message:
+    """Equality of the message dataclasses: field by field, arrays by dtype, shape and value."""
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_field_equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self) if f.init)
+
+
 @dataclass(frozen=True, eq=False)
-class Sample:
+class Sample(_Message):
     """One generated response of a group, token-aligned.
 
     Arrays are normalised on construction (lists and other integer/float dtypes are accepted if
@@ -199,23 +244,7 @@ class Sample:
     _max_version: int | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
-        ids = _as_1d("response_ids", self.response_ids, _I32)
-        logprobs = _as_1d("logprobs", self.logprobs, _F32)
-        versions = _as_1d("versions", self.versions, _I32)
-        for name, arr in (("logprobs", logprobs), ("versions", versions)):
-            if arr.shape[0] != ids.shape[0]:
-                raise WireError(f"{name}: length {arr.shape[0]} != response length {ids.shape[0]}")
-        _check_nonneg("response_ids", ids)
-        _check_logprobs("logprobs", logprobs)
-        if versions.size:
-            vmin, vmax = int(versions.min()), int(versions.max())
-            if vmin < 0:
-                raise WireError(f"versions: must be >= 0, got {vmin}")
-            _set(self, "_min_version", vmin)
-            _set(self, "_max_version", vmax)
-        _set(self, "response_ids", ids)
-        _set(self, "logprobs", logprobs)
-        _set(self, "versions", versions)
+        _set_token_arrays(self)
         _set(self, "reward", _as_float("reward", self.reward))
         _set(self, "score", _as_float("score", self.score))
         _set(self, "acc", _as_bool("acc", self.acc))
@@ -227,14 +256,10 @@ class Sample:
     def num_tokens(self) -> int:
         return int(self.response_ids.shape[0])
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sample):
-            return NotImplemented
-        return all(_field_equal(getattr(self, n), getattr(other, n)) for n in _SAMPLE_FIELDS)
 
 
 @dataclass(frozen=True, eq=False)
-class Group:
+class Group(_Message):
     """All G samples of one prompt, as one rollout actor emits them and the replay queue stores them."""
 
     group_id: str
@@ -260,15 +285,7 @@ class Group:
         _set(self, "ground_truth", _as_str("ground_truth", self.ground_truth))
         _set(self, "data_source", _as_str("data_source", self.data_source))
         _set(self, "created_at", _as_float("created_at", self.created_at, nonneg=True))
-        if not isinstance(self.samples, (tuple, list)):
-            raise WireError(f"samples: expected a sequence of Sample, got {_type_name(self.samples)}")
-        samples = tuple(self.samples)
-        if not samples:
-            raise WireError("samples: a group needs at least one sample")
-        for i, sample in enumerate(samples):
-            if not isinstance(sample, Sample):
-                raise WireError(f"samples.{i}: expected Sample, got {_type_name(sample)}")
-        _set(self, "samples", samples)
+        _set(self, "samples", _as_members("samples", self.samples, Sample, "a group"))
 
     @property
     def min_version(self) -> int:
@@ -303,10 +320,78 @@ class Group:
         """Per-sample shaped rewards, score + overlong penalty (metrics ``seq_reward``, ``seq_final_reward``)."""
         return tuple(s.reward for s in self.samples)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Group):
-            return NotImplemented
-        return all(_field_equal(getattr(self, n), getattr(other, n)) for n in _GROUP_FIELDS)
+
+
+@dataclass(frozen=True, eq=False)
+class Progress(_Message):
+    """One sample of a group in flight, as far as its engine got: the tokens so far with the behaviour
+    log-probs and policy versions they were sampled with. ``finish_reason`` is "" while the sample still
+    runs; a finished sample (its reason set) is complete and only needs scoring."""
+
+    response_ids: np.ndarray  # int32 [L]
+    logprobs: np.ndarray  # float32 [L]
+    versions: np.ndarray  # int32 [L]
+    finish_reason: str
+    gen_seconds: float  # engine wall time spent on it so far
+    _min_version: int | None = field(init=False, repr=False, default=None)
+    _max_version: int | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        _set_token_arrays(self)
+        _set(self, "finish_reason", _as_str("finish_reason", self.finish_reason))
+        _set(self, "gen_seconds", _as_float("gen_seconds", self.gen_seconds, nonneg=True))
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_ids.shape[0])
+
+
+
+@dataclass(frozen=True, eq=False)
+class Partial(_Message):
+    """The progress of one admitted prompt's group (its ticket ``group_id``), sample by sample in the
+    group's order, as its engine last reported it."""
+
+    group_id: str
+    prompt_index: int
+    epoch: int
+    engine_rank: int
+    samples: tuple[Progress, ...]
+    sent_at: float  # time.time() of the snapshot
+
+    def __post_init__(self) -> None:
+        _set(self, "group_id", _as_str("group_id", self.group_id, nonempty=True))
+        for name in ("prompt_index", "epoch", "engine_rank"):
+            _set(self, name, _as_int(name, getattr(self, name)))
+        _set(self, "sent_at", _as_float("sent_at", self.sent_at, nonneg=True))
+        _set(self, "samples", _as_members("samples", self.samples, Progress, "a partial group"))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+    @property
+    def min_version(self) -> int | None:
+        """Oldest policy version of any token so far (None: no token yet)."""
+        return min((s._min_version for s in self.samples if s._min_version is not None), default=None)
+
+
+
+def _as_members(name: str, value: Any, kind: type, whole: str) -> tuple:
+    """``value`` as a non-empty tuple of ``kind`` (the samples of a ``whole``)."""
+    if not isinstance(value, (tuple, list)):
+        raise WireError(f"{name}: expected a sequence of {kind.__name__}, got {_type_name(value)}")
+    members = tuple(value)
+    if not members:
+        raise WireError(f"{name}: {whole} needs at least one sample")
+    for i, member in enumerate(members):
+        if not isinstance(member, kind):
+            raise WireError(f"{name}.{i}: expected {kind.__name__}, got {_type_name(member)}")
+    return members
 
 
 def _field_equal(a: Any, b: Any) -> bool:
@@ -321,6 +406,10 @@ _SAMPLE_ARRAYS = {"response_ids": _I32, "logprobs": _F32, "versions": _I32}
 _GROUP_ARRAYS = {"prompt_ids": _I32}
 _GROUP_KEYS = frozenset(("schema", "v") + _GROUP_FIELDS)
 _SAMPLE_KEYS = frozenset(_SAMPLE_FIELDS)
+_PROGRESS_FIELDS = tuple(f.name for f in fields(Progress) if f.init)
+_PARTIAL_FIELDS = tuple(f.name for f in fields(Partial) if f.init)
+_PARTIAL_KEYS = frozenset(("schema", "v") + _PARTIAL_FIELDS)
+_PROGRESS_KEYS = frozenset(_PROGRESS_FIELDS)
 
 
 # ------------------------------------------------------------------------------------- encode
@@ -331,28 +420,44 @@ def _pack_array(arr: np.ndarray, dtype: np.dtype) -> dict[str, Any]:
     return {"dtype": dtype.str, "shape": [int(arr.shape[0])], "data": memoryview(arr).cast("B")}
 
 
-def _sample_to_map(sample: Sample) -> dict[str, Any]:
+def _sample_to_map(sample: Sample | Progress, names: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in _SAMPLE_FIELDS:
+    for name in names:
         value = getattr(sample, name)
         out[name] = _pack_array(value, _SAMPLE_ARRAYS[name]) if name in _SAMPLE_ARRAYS else value
     return out
+
+
+def _encode(obj: Group | Partial, schema: str, names: tuple[str, ...], sample_names: tuple[str, ...]) -> bytes:
+    out: dict[str, Any] = {"schema": schema, "v": SCHEMA_VERSION}
+    for name in names:
+        value = getattr(obj, name)
+        if name == "samples":
+            out[name] = [_sample_to_map(s, sample_names) for s in value]
+        elif name in _GROUP_ARRAYS:
+            out[name] = _pack_array(value, _GROUP_ARRAYS[name])
+        else:
+            out[name] = value
+    return msgpack.packb(out, use_bin_type=True)
 
 
 def encode_group(group: Group) -> bytes:
     """Serialise ``group`` (already validated by its constructor) to schema-v1 msgpack bytes."""
     if not isinstance(group, Group):
         raise TypeError(f"encode_group expects a Group, got {_type_name(group)}")
-    out: dict[str, Any] = {"schema": SCHEMA, "v": SCHEMA_VERSION}
-    for name in _GROUP_FIELDS:
-        value = getattr(group, name)
-        if name == "samples":
-            out[name] = [_sample_to_map(s) for s in value]
-        elif name in _GROUP_ARRAYS:
-            out[name] = _pack_array(value, _GROUP_ARRAYS[name])
-        else:
-            out[name] = value
-    return msgpack.packb(out, use_bin_type=True)
+    return _encode(group, SCHEMA, _GROUP_FIELDS, _SAMPLE_FIELDS)
+
+
+def encode_partial(partial: Partial) -> bytes:
+    """Serialise ``partial`` (already validated by its constructor) to msgpack bytes of PARTIAL_SCHEMA."""
+    if not isinstance(partial, Partial):
+        raise TypeError(f"encode_partial expects a Partial, got {_type_name(partial)}")
+    return _encode(partial, PARTIAL_SCHEMA, _PARTIAL_FIELDS, _PROGRESS_FIELDS)
+
+
+def encode_message(message: Group | Partial) -> bytes:
+    """A group or a partial group, each in its own schema."""
+    return encode_partial(message) if isinstance(message, Partial) else encode_group(message)
 
 
 # ------------------------------------------------------------------------------------- decode
@@ -405,11 +510,13 @@ def _check_keys(path: str, obj: dict[Any, Any], expected: frozenset[str]) -> Non
         raise WireError(f"{path}{_key_name(extra)}: unknown key")
 
 
-def _check_schema(obj: dict[Any, Any]) -> None:
+def _check_schema(obj: dict[Any, Any], accepted: tuple[str, ...] = (SCHEMA,)) -> str:
+    """The message's schema name (one of ``accepted``), its version checked."""
     if "schema" not in obj:
         raise WireError("schema: missing key")
-    if obj["schema"] != SCHEMA:
-        raise SchemaMismatch(f"schema: foreign schema {_short(obj['schema'])} (expected {SCHEMA!r})")
+    if obj["schema"] not in accepted:
+        expected = " or ".join(repr(a) for a in accepted)
+        raise SchemaMismatch(f"schema: foreign schema {_short(obj['schema'])} (expected {expected})")
     if "v" not in obj:
         raise WireError("v: missing key")
     version = obj["v"]
@@ -419,6 +526,7 @@ def _check_schema(obj: dict[Any, Any]) -> None:
         raise SchemaMismatch(f"v: schema version {version} is newer than supported {SCHEMA_VERSION}")
     if version != SCHEMA_VERSION:
         raise SchemaMismatch(f"v: schema version {version} is not supported (expected {SCHEMA_VERSION})")
+    return obj["schema"]
 
 
 def _decode_array(path: str, obj: Any, dtype: np.dtype) -> np.ndarray:
@@ -445,45 +553,72 @@ def _decode_array(path: str, obj: Any, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def _decode_sample(index: int, obj: Any) -> Sample:
+def _decode_sample(index: int, obj: Any, kind: type = Sample) -> Sample | Progress:
     path = f"samples.{index}"
+    names, keys = (_SAMPLE_FIELDS, _SAMPLE_KEYS) if kind is Sample else (_PROGRESS_FIELDS, _PROGRESS_KEYS)
     obj = _expect_map(path, obj)
-    _check_keys(path + ".", obj, _SAMPLE_KEYS)
-    kwargs = {name: obj[name] for name in _SAMPLE_FIELDS}
+    _check_keys(path + ".", obj, keys)
+    kwargs = {name: obj[name] for name in names}
     for name, dtype in _SAMPLE_ARRAYS.items():
         kwargs[name] = _decode_array(f"{path}.{name}", obj[name], dtype)
     try:
-        return Sample(**kwargs)
+        return kind(**kwargs)
     except WireError as exc:
         raise type(exc)(f"{path}.{exc}") from None
 
 
-def decode_group(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> Group:
-    """Parse and fully validate one message; raise :class:`WireError` on any fault.
+def _decode_samples(obj: dict[str, Any], kind: type, whole: str) -> tuple:
+    raw_samples = obj["samples"]
+    if not isinstance(raw_samples, list):
+        raise WireError(f"samples: expected an array, got {_type_name(raw_samples)}")
+    if not raw_samples:
+        raise WireError(f"samples: {whole} needs at least one sample")
+    return tuple(_decode_sample(i, s, kind) for i, s in enumerate(raw_samples))
 
-    ``max_bytes`` (if given) is checked before anything is unpacked (:class:`OversizedMessage`).
-    A foreign schema or unsupported version raises :class:`SchemaMismatch`. The arrays of the
-    returned group are read-only ``np.frombuffer`` views (no copy beyond msgpack's own).
-    """
+
+def _message_map(data: bytes | bytearray | memoryview, max_bytes: int | None) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"message: expected bytes, got {_type_name(data)}")
     if isinstance(data, memoryview) and (data.ndim != 1 or data.itemsize != 1):
         data = data.cast("B")
     if max_bytes is not None and len(data) > max_bytes:
         raise OversizedMessage(f"message: {len(data)} bytes > max_message_bytes {max_bytes}")
-    obj = _expect_map("message", _unpack(data))
-    _check_schema(obj)
+    return _expect_map("message", _unpack(data))
+
+
+def _group_of(obj: dict[str, Any]) -> Group:
     _check_keys("", obj, _GROUP_KEYS)
-    raw_samples = obj["samples"]
-    if not isinstance(raw_samples, list):
-        raise WireError(f"samples: expected an array, got {_type_name(raw_samples)}")
-    if not raw_samples:
-        raise WireError("samples: a group needs at least one sample")
-    samples = tuple(_decode_sample(i, s) for i, s in enumerate(raw_samples))
     kwargs = {name: obj[name] for name in _GROUP_FIELDS}
-    kwargs["samples"] = samples
+    kwargs["samples"] = _decode_samples(obj, Sample, "a group")
     kwargs["prompt_ids"] = _decode_array("prompt_ids", obj["prompt_ids"], _I32)
     return Group(**kwargs)
+
+
+def _partial_of(obj: dict[str, Any]) -> Partial:
+    _check_keys("", obj, _PARTIAL_KEYS)
+    kwargs = {name: obj[name] for name in _PARTIAL_FIELDS}
+    kwargs["samples"] = _decode_samples(obj, Progress, "a partial group")
+    return Partial(**kwargs)
+
+
+def decode_group(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> Group:
+    """Parse and fully validate one group message; raise :class:`WireError` on any fault.
+
+    ``max_bytes`` (if given) is checked before anything is unpacked (:class:`OversizedMessage`).
+    A foreign schema (a partial group included) or unsupported version raises :class:`SchemaMismatch`.
+    The arrays of the returned group are read-only ``np.frombuffer`` views (no copy beyond msgpack's own).
+    """
+    obj = _message_map(data, max_bytes)
+    _check_schema(obj)
+    return _group_of(obj)
+
+
+def decode_message(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> Group | Partial:
+    """As :func:`decode_group`, for a group or a partial group (told apart by their schema name)."""
+    obj = _message_map(data, max_bytes)
+    if _check_schema(obj, (SCHEMA, PARTIAL_SCHEMA)) == PARTIAL_SCHEMA:
+        return _partial_of(obj)
+    return _group_of(obj)
 
 
 def write_groups(groups: list[Group], path: Path) -> None:

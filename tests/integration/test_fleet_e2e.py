@@ -8,7 +8,8 @@ a user of a fleet relies on (docs/reliability.md, docs/results/fleet_and_control
   the added engine serves live weights; after the kill the other keeps generating and the learner keeps
   training while the replacement starts in the background (the learner's longest wait for data during the
   replacement asserted against the replacement's own duration, measured in the same run); the removed
-  engine's prompts are released, and every admitted prompt is accounted for.
+  engine's prompts are released, and every admitted prompt is accounted for; the progress the leaving engines
+  had reported (``rollout.partial_every_s``) goes with their prompts to the engine that takes them next.
 
 On this 2-core machine 2 engines take ``placement.engine_cpus=0.5`` each.
 """
@@ -233,7 +234,8 @@ def test_engines_scale_and_one_is_killed_while_the_run_trains(tiny_model, tmp_pa
        for."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = _start(_cmd(run_dir, "--set", "placement.max_engines=2", "--set", "placement.engine_cpus=0.5",
-                       "--set", f"learner.total_steps={CAP}"), log)
+                       "--set", f"learner.total_steps={CAP}", "--set", "rollout.partial_every_s=0.2",
+                       "--set", "rollout.partial_every_tokens=2"), log)
     try:
         _wait(lambda: len(_train_rows(run_dir)) >= 3, proc, 600, "step 3")
         refused = subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", "3"],
@@ -268,6 +270,25 @@ def test_engines_scale_and_one_is_killed_while_the_run_trains(tiny_model, tmp_pa
     print(f"removed at step {removed_at} of {steps} with {removed['released_prompts']} in-flight prompts released")
     _assert_every_prompt_accounted(run_dir, steps, 16)
     _assert_prompts_trained_once(run_dir)
+    _assert_reports_carried(last)
+
+
+def _assert_reports_carried(last: dict) -> None:
+    """Progress reports flowed from the real engines over the signed stream to the queue, and what the leaving
+    engines had reported was carried, never counted as wasted (carrying is on); each carried report is handed
+    out at most once, with the next admission of its prompt. How many are carried is the workload's: the tiny
+    default's 3-17-token answers finish within one report, so a leaving engine's in-flight prompts are mostly
+    still queued in its engine, without a token (here 0 of 18 and of 16 released ones had one); the real-engine
+    continuation from a report is test_rollout's, on 300-token samples."""
+    carried, handed, waiting = (last[f"replay/partials_{k}"] for k in ("carried", "handed_out", "waiting"))
+    print(f"progress reports: {last['replay/partials_received']:.0f} kept, {carried:.0f} carried by leaving engines, "
+          f"{handed:.0f} handed to another engine ({last['replay/partial_tokens_handed_out']:.0f} tokens), "
+          f"{last['rollout/carried_tokens']:.0f} tokens continued, {last['rollout/wasted_tokens/carried_stale']:.0f} "
+          f"too old")
+    assert last["replay/partials_received"] > 0
+    assert handed + waiting == carried  # each carried report is either handed out (once) or still waiting
+    assert last["rollout/wasted_tokens/engine_loss"] == last["rollout/wasted_tokens/scale_down"] == 0
+    assert last["rollout/partials_unsent"] == 0
 
 
 def _assert_scaled_up(rows: list[dict], added: dict) -> None:

@@ -34,6 +34,9 @@ def cfg(tiny_model):
         f"model.path={tiny_model}", "rollout.n=4", "algorithm.train_batch_groups=4",
         "learner.mini_batch_groups=4", "replay.max_staleness=1", "rollout.max_inflight_prompts=8",
         "rollout.engine.context_length=512", "logging.val_timeout_s=3",
+        # with progress reports (switched on by the test that uses them), each streamed sample's tokens are
+        # handed over every 4
+        "rollout.partial_every_tokens=4",
     ])
 
 
@@ -142,7 +145,7 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
     import ray
 
     _, actor, pg = system
-    ray.get(actor.set_partial_rollout.remote(keep), timeout=60)
+    ray.get(actor.set_rollout.remote(partial_rollout=keep), timeout=60)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -166,7 +169,7 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
         seconds = _push(actor, pg, named, version, mode)
         outs = ray.get(running, timeout=600)
     finally:
-        ray.get(actor.set_partial_rollout.remote(False), timeout=60)
+        ray.get(actor.set_rollout.remote(partial_rollout=False), timeout=60)
     if mode == "abort":  # SGLang's pause_generation(abort) re-checked every 1 s: a second per update at least
         assert seconds < 1.0, seconds
 
@@ -196,6 +199,76 @@ def test_weight_push_changes_outputs_with_exact_versions(system, cfg, tiny_model
     assert {s["version"] for s in fresh["meta_info"]["weight_versions"]} == {str(version)}
     ref = _hf_logprobs(new_state, tiny_model, prompts[0], fresh["output_ids"])
     _assert_close(ref, torch.tensor([lp for lp, *_ in fresh["meta_info"]["output_token_logprobs"]]))
+
+
+def test_a_progress_report_holds_the_engines_tokens_and_another_engine_continues_them(system, cfg, tiny_model):
+    """A group in flight, read as a progress report reads it: each report extends the one before, token for
+    token. An in-flight push lands meanwhile: with progress reports on it aborts the running requests and each
+    sample goes on from its tokens as a new request on the new weights (SGLang tells an unfinished request's
+    versions only when it finishes), so the reports follow it across the push with exact per-token versions. The engine then gives the group up (as when it leaves the fleet) and each sample is continued
+    from the last report, as the engine that takes the prompt does: the finished samples hold the report's
+    tokens with their log-probs and versions, then the current weights' tokens, and every log-prob matches a
+    transformers recompute of the whole sequence at the version it records. One version later (η = 1 here) the
+    same report is too old: its tokens are thrown away and counted, and the samples start afresh."""
+    import ray
+
+    _, actor, pg = system
+    from transformers import AutoTokenizer
+
+    prompt = encode_prompt(AutoTokenizer.from_pretrained(tiny_model), train_rows(cfg)[0])
+    states = {v: _new_weights(tiny_model, v) for v in (10, 11, 12)}
+    _push(actor, pg, states[10], 10, "drain")
+    params = {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}
+    ray.get(actor.set_rollout.remote(partial_every_s=0.5), timeout=60)
+    try:
+        ray.get(actor.start_tracked.remote(prompt, params, 3), timeout=60)
+        reports = [_report_once(actor, lambda r: min(s.num_tokens for s in r.samples) >= 8)]
+        _push(actor, pg, states[11], 11, "inflight")
+        reports.append(_report_once(actor, lambda r: min(s.num_tokens for s in r.samples)
+                                    >= max(s.num_tokens for s in reports[0].samples) + 8))
+        ray.get(actor.drop_tracked.remote(), timeout=60)
+    finally:
+        ray.get(actor.set_rollout.remote(partial_every_s=0.0), timeout=60)
+    last = reports[-1]
+    for a, b in zip(reports[0].samples, last.samples):  # a report is a prefix of every later one
+        k = a.num_tokens
+        assert b.response_ids[:k].tolist() == a.response_ids.tolist() and b.versions[:k].tolist() == a.versions.tolist()
+        assert b.logprobs[:k].tobytes() == a.logprobs.tobytes()
+    for p in last.samples:
+        assert not p.finished and 0 < p.num_tokens < 300 and set(p.versions.tolist()) == {10, 11}
+    before = ray.get(actor.carried_tokens.remote(), timeout=60)
+    outs = ray.get(actor.carry_on.remote(prompt, params, last), timeout=600)
+    assert _since(ray.get(actor.carried_tokens.remote(), timeout=60), before) == (last.num_tokens, 0)
+    for p, out in zip(last.samples, outs):
+        ids, versions = out["output_ids"], out["_versions"].tolist()
+        lps = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]])
+        assert len(ids) == len(versions) == len(lps) == 300
+        assert ids[:p.num_tokens] == p.response_ids.tolist() and versions[:p.num_tokens] == p.versions.tolist()
+        assert set(versions[p.num_tokens:]) == {11}
+        for v in (10, 11):
+            at = [i for i, x in enumerate(versions) if x == v]
+            assert at and at == list(range(at[0], at[-1] + 1)), (v, versions)  # one contiguous segment each
+            _assert_close(_hf_logprobs(dict(states[v]), tiny_model, prompt, ids)[at], lps[at])
+    _push(actor, pg, states[12], 12, "drain")  # the report's oldest tokens are now 2 versions old: past η = 1
+    before = ray.get(actor.carried_tokens.remote(), timeout=60)
+    outs = ray.get(actor.carry_on.remote(prompt, {**params, "max_new_tokens": 8}, last), timeout=600)
+    assert _since(ray.get(actor.carried_tokens.remote(), timeout=60), before) == (0, last.num_tokens)
+    assert all(len(o["output_ids"]) == 8 and "_versions" not in o for o in outs)  # drawn afresh, at version 12
+
+
+def _since(after: tuple, before: tuple) -> tuple:
+    return tuple(a - b for a, b in zip(after, before))
+
+
+def _report_once(actor, done, timeout_s: float = 120.0):
+    """Snapshots of the tracked group until ``done(report)``; the last one."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while not done(report := ray.get(actor.snapshot.remote(), timeout=60)):
+        assert time.time() < deadline, [s.num_tokens for s in report.samples]
+        time.sleep(0.02)
+    return report
 
 
 def test_a_timed_out_validation_leaves_the_engine_idle(system, cfg):

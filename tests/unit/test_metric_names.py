@@ -155,7 +155,8 @@ def _source_tags(module: str, var: str) -> set[str]:
 def step_tags(monkeypatch) -> dict[str, float]:
     timing = {"step_s": 2.0, "wait_data_s": 0.5, "weight_push_s": 0.3, "weight_push_stall_s": 0.1,
               "gen_tokens_per_s": 100.0, "rollout_idle_ratio": 0.2,
-              "wasted_abort_tokens": 3.0, "continued_tokens": 5.0}  # as the orchestrator sends them
+              "engine_sums": {"aborted_tokens": 3.0, "continued_tokens": 5.0, "carried_tokens": 4.0,
+                              "carried_stale_tokens": 1.0, "partials_unsent": 0.0}}  # as the orchestrator sends them
     m = step_metrics(GROUPS, learner_output(monkeypatch), queue_stats(), trained_version=4, timing=timing)
     engine = {"gen_tokens": 10, "idle_seconds": 0.5, "groups_sent": 2, "version": 3, "pid": 7}
     per_engine, _ = fleet_metrics({0: engine}, {}, 1.0, GROUPS)

@@ -159,4 +159,6 @@ def test_the_end_of_run_table_sums_the_tokens_never_trained_and_the_continued_on
                         "rollout/wasted_tokens/abort": 7.0, "rollout/continued_tokens": 55.0, "train/version": 3.0}
     line = run._waste_line()
     assert "tokens not trained" in line and "157 (filtered 120, stale 30, abort 7)" in line
-    assert line.endswith("continued after an abort: 55")
+    assert line.endswith("continued after an abort: 55; continued on another engine: 0")
+    run.last_metrics["rollout/carried_tokens"] = 40.0
+    assert run._waste_line().endswith("continued on another engine: 40")

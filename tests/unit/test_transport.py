@@ -105,7 +105,7 @@ def test_groups_arrive_in_order_and_intact(receiver, connect):
     assert [g.group_id for g in got] == [f"g{i}" for i in range(20)]
     assert got == sent
     assert got[19].samples[0].versions.tolist() == [19] * 20
-    assert receiver.counters == {"received": 20, "rejected_auth": 0, "rejected_malformed": 0,
+    assert receiver.counters == {"received": 20, "received_partials": 0, "rejected_auth": 0, "rejected_malformed": 0,
                                  "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0,
                                  "rejected_handshake": 0}
     assert receiver.last_error is None
@@ -120,10 +120,10 @@ def test_bad_frames_dropped_and_counted_valid_ones_delivered(receiver, connect):
     tx.send(make_group("last"))
     assert recv(receiver, RECV_MS).group_id == "first"
     assert recv(receiver, RECV_MS).group_id == "last"
-    assert receiver.counters == {"received": 2, "rejected_auth": 0, "rejected_malformed": 1,
+    assert receiver.counters == {"received": 2, "received_partials": 0, "rejected_auth": 0, "rejected_malformed": 1,
                                  "rejected_oversized": 1, "rejected_schema": 1, "rejected_peers": 0,
                                  "rejected_handshake": 0}
-    assert receiver.last_error == "schema: foreign schema 'someone_else.batch' (expected 'async_dapo.group')"
+    assert receiver.last_error == "schema: foreign schema 'someone_else.batch' (expected 'async_dapo.group' or 'async_dapo.partial')"
     assert recv(receiver, timeout_ms=20) is None
 
 
@@ -145,7 +145,7 @@ def test_multipart_frames_are_malformed(receiver, raw_push):
     sock.send_multipart([good, good])
     sock.send(good)
     assert recv(receiver, RECV_MS).group_id == "ok"
-    assert receiver.counters == {"received": 1, "rejected_auth": 0, "rejected_malformed": 1,
+    assert receiver.counters == {"received": 1, "received_partials": 0, "rejected_auth": 0, "rejected_malformed": 1,
                                  "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0,
                                  "rejected_handshake": 0}
     assert receiver.last_error == "message: 2 frames, expected 1"
@@ -223,7 +223,7 @@ def test_arecv_under_asyncio_and_loop_stays_free(receiver, connect):
     assert asyncio.run(receiver.arecv(RECV_MS)).group_id == "x3"
     tx.send(make_group("x4"))
     assert recv(receiver, RECV_MS).group_id == "x4"
-    assert receiver.counters == {"received": 4, "rejected_auth": 0, "rejected_malformed": 1,
+    assert receiver.counters == {"received": 4, "received_partials": 0, "rejected_auth": 0, "rejected_malformed": 1,
                                  "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0,
                                  "rejected_handshake": 0}
 
@@ -278,7 +278,7 @@ def signed_receiver(secret):
 
 
 def counts(**nonzero: int) -> dict[str, int]:
-    base = {"received": 0, "rejected_auth": 0, "rejected_malformed": 0,
+    base = {"received": 0, "received_partials": 0, "rejected_auth": 0, "rejected_malformed": 0,
             "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0, "rejected_handshake": 0}
     return {**base, **nonzero}
 

@@ -8,9 +8,10 @@ key, unsigned, or signed with another run's key, so the decoder behind the HMAC 
 Properties checked on every example:
   - the receiver never raises;
   - every frame is counted in exactly one counter, and the counter is the one an oracle predicts
-    (size first, then the HMAC, then ``wire.decode_group``'s verdict), so the counter deltas
+    (size first, then the HMAC, then ``wire.decode_message``'s verdict), so the counter deltas
     equal the prediction exactly and sum to the number of frames sent;
-  - frames that happen to be valid groups arrive equal to what the oracle decodes;
+  - frames that happen to be valid groups or partial groups (a group's progress) arrive equal to
+    what the oracle decodes, and each kind is counted as its own;
   - a valid signed sentinel group sent last arrives intact (the receiver keeps serving).
 
 PUSH/PULL keeps the order of one connection, so once the sentinel is out every earlier frame has
@@ -39,15 +40,19 @@ from hypothesis import strategies as st
 
 from async_dapo.stream.transport import TAG_BYTES, GroupReceiver, GroupSender, new_secret, producer_credentials
 from async_dapo.stream.wire import (
+    PARTIAL_SCHEMA,
     SCHEMA,
     SCHEMA_VERSION,
     Group,
     OversizedMessage,
+    Partial,
+    Progress,
     Sample,
     SchemaMismatch,
     WireError,
-    decode_group,
+    decode_message,
     encode_group,
+    encode_partial,
 )
 
 from .memprobe import MIB, PeakGrowth
@@ -56,7 +61,8 @@ from .rx import recv
 MAX_BYTES = 64 * 1024  # payload limit of the fuzzed receivers; hard cap is >1 MiB above it
 RECV_MS = 2000  # per recv call; only a failing test ever waits this long
 DRAIN_S = 30.0  # deadline for the sentinel to come out
-COUNTERS = ("received", "rejected_auth", "rejected_malformed", "rejected_oversized", "rejected_schema")
+COUNTERS = ("received", "received_partials", "rejected_auth", "rejected_malformed", "rejected_oversized",
+            "rejected_schema")
 OTHER_KEY = new_secret()  # "another run's" secret
 ABSURD_BOUND = 16 * MIB  # measured <= 0.3 MiB: the frames are a few kB; a header taken at its word costs GiBs
 FUZZ = settings(
@@ -101,7 +107,7 @@ def build_frame(link: Link, payload: bytes, mode: str) -> bytes:
     return sign(link.secret if mode == "signed" else OTHER_KEY, payload)
 
 
-def oracle(link: Link, frame: bytes, payload: bytes, mode: str) -> tuple[str, Group | None]:
+def oracle(link: Link, frame: bytes, payload: bytes, mode: str) -> tuple[str, Group | Partial | None]:
     """The counter a frame must land in (size, then HMAC, then the decoder's verdict)."""
     overhead = TAG_BYTES if link.secret is not None else 0
     if len(frame) > MAX_BYTES + overhead:
@@ -109,7 +115,8 @@ def oracle(link: Link, frame: bytes, payload: bytes, mode: str) -> tuple[str, Gr
     if link.secret is not None and mode != "signed":
         return "rejected_auth", None
     try:
-        return "received", decode_group(payload, max_bytes=MAX_BYTES)
+        message = decode_message(payload, max_bytes=MAX_BYTES)
+        return ("received_partials" if isinstance(message, Partial) else "received"), message
     except OversizedMessage:
         return "rejected_oversized", None
     except SchemaMismatch:
@@ -118,9 +125,9 @@ def oracle(link: Link, frame: bytes, payload: bytes, mode: str) -> tuple[str, Gr
         return "rejected_malformed", None
 
 
-def drain_until(rx: GroupReceiver, group_id: str) -> list[Group]:
-    """All valid groups up to and including the one named ``group_id``."""
-    got: list[Group] = []
+def drain_until(rx: GroupReceiver, group_id: str) -> list[Group | Partial]:
+    """All valid messages up to and including the group named ``group_id``."""
+    got: list[Group | Partial] = []
     deadline = time.monotonic() + DRAIN_S
     while not got or got[-1].group_id != group_id:
         assert time.monotonic() < deadline, f"sentinel {group_id} lost; counters {rx.counters}"
@@ -134,7 +141,7 @@ def check_frames(link: Link, items: list[tuple[bytes, str]]) -> None:
     """Send the frames, then a sentinel; assert the exact counters and that serving goes on."""
     before = link.rx.counters
     want: Counter[str] = Counter()
-    want_groups: list[Group] = []
+    want_groups: list[Group | Partial] = []
     for payload, mode in items:
         frame = build_frame(link, payload, mode)
         counter, group = oracle(link, frame, payload, mode)
@@ -197,7 +204,23 @@ def groups(draw) -> Group:
     )
 
 
-encoded = groups().map(encode_group)
+@st.composite
+def partials(draw) -> Partial:
+    def progress() -> Progress:
+        n = draw(st.integers(0, 12))
+        return Progress(
+            response_ids=np.array(draw(st.lists(i32, min_size=n, max_size=n)), np.int32),
+            logprobs=np.array(draw(st.lists(st.floats(-30, 0, width=32), min_size=n, max_size=n)), np.float32),
+            versions=np.array(draw(st.lists(st.integers(0, 1000), min_size=n, max_size=n)), np.int32),
+            finish_reason=draw(st.sampled_from(["", "stop", "length"])), gen_seconds=draw(st.floats(0, 1e4)))
+
+    return Partial(group_id="p-" + draw(st.text(max_size=8)), prompt_index=draw(i32),
+                   epoch=draw(st.integers(0, 100)), engine_rank=draw(st.integers(0, 64)),
+                   samples=tuple(progress() for _ in range(draw(st.integers(1, 3)))), sent_at=draw(st.floats(0, 2e9)))
+
+
+# both kinds of message the stream carries: finished groups and partial groups
+encoded = st.one_of(groups().map(encode_group), partials().map(encode_partial))
 
 # (a) arbitrary bytes, empty included
 random_bytes = st.binary(min_size=0, max_size=2048)
@@ -239,7 +262,8 @@ def wrong_schema(draw) -> bytes:
     obj = msgpack.unpackb(draw(encoded), raw=False)
     what = draw(st.sampled_from(["schema", "v", "drop_schema", "drop_v", "both"]))
     if what in ("schema", "both"):
-        obj["schema"] = draw(st.one_of(st.text(max_size=30), any_value).filter(lambda s: s != SCHEMA))
+        obj["schema"] = draw(st.one_of(st.text(max_size=30), any_value).filter(
+            lambda s: s not in (SCHEMA, PARTIAL_SCHEMA)))
     if what in ("v", "both"):
         obj["v"] = draw(st.one_of(msgpack_int, any_value).filter(lambda v: v != SCHEMA_VERSION))
     if what.startswith("drop_"):
@@ -282,7 +306,8 @@ def absurd(draw) -> bytes:
         width = {0xC4: 2, 0xC5: 3, 0xC6: 5}.get(data[at], 1)  # 1: "\xa4data" was inside a user string
         return data[:at] + HUGE_HEADERS[2] + data[at + width:]
     obj = msgpack.unpackb(data, raw=False)  # "shape": [2**40] with only a few bytes of data
-    arrays = [obj["prompt_ids"]] + [s[k] for s in obj["samples"] for k in ("response_ids", "logprobs", "versions")]
+    arrays = [obj["prompt_ids"]] if "prompt_ids" in obj else []  # a partial group has no prompt
+    arrays += [s[k] for s in obj["samples"] for k in ("response_ids", "logprobs", "versions")]
     draw(st.sampled_from(arrays))["shape"] = [draw(st.sampled_from(HUGE_COUNTS))]
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -371,7 +396,7 @@ def test_oversized_under_hard_cap_counted_exactly():
         tx.send_bytes(bytes(MAX_BYTES + TAG_BYTES), sign=False)  # unsigned, fits: the HMAC says no
         tx.send(make_group("after"))
         assert [g.group_id for g in drain_until(rx, "after")] == ["after"]
-        assert rx.counters == {"received": 1, "rejected_auth": 1, "rejected_malformed": 0,
+        assert rx.counters == {"received": 1, "received_partials": 0, "rejected_auth": 1, "rejected_malformed": 0,
                                "rejected_oversized": 2, "rejected_schema": 0, "rejected_peers": 0,
                                "rejected_handshake": 0}
 
@@ -445,7 +470,7 @@ def test_flood_of_unsigned_frames_rejected_memory_bounded_legit_groups_arrive():
                 tracemalloc.stop()
         assert flood_done.is_set() and not errors
         assert got == [make_group(f"legit-{i}", n_tokens=i + 1) for i in range(LEGIT_GROUPS)]
-        assert rx.counters == {"received": LEGIT_GROUPS, "rejected_auth": FLOOD_FRAMES, "rejected_malformed": 0,
+        assert rx.counters == {"received": LEGIT_GROUPS, "received_partials": 0, "rejected_auth": FLOOD_FRAMES, "rejected_malformed": 0,
                                "rejected_oversized": 0, "rejected_schema": 0, "rejected_peers": 0,
                                "rejected_handshake": 0}
         assert peak.bytes < MEMORY_BOUND, f"peak RSS grew by {peak.bytes / MIB:.1f} MiB"

@@ -17,15 +17,21 @@ from hypothesis import strategies as st
 
 from async_dapo.stream.wire import (
     LOGPROB_TOLERANCE,
+    PARTIAL_SCHEMA,
     SCHEMA,
     SCHEMA_VERSION,
     Group,
     OversizedMessage,
+    Partial,
+    Progress,
     Sample,
     SchemaMismatch,
     WireError,
     decode_group,
+    decode_message,
     encode_group,
+    encode_message,
+    encode_partial,
 )
 
 I32_MAX = 2**31 - 1
@@ -367,29 +373,39 @@ _VALID = encode_group(make_group())
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), min_size=1, max_size=4))
 def test_mutated_valid_message_decodes_or_raises_wire_error(edits):
-    data = bytearray(_VALID)
+    _mutated_decodes_or_raises_wire_error(_VALID, edits, decode_group, encode_group)
+
+
+def _mutated_decodes_or_raises_wire_error(valid: bytes, edits, decode, encode) -> None:
+    data = bytearray(valid)
     for pos, byte in edits:
         data[pos] = byte
     try:
-        group = decode_group(bytes(data))
+        message = decode(bytes(data))
     except WireError:
         return
-    assert decode_group(encode_group(group)) == group  # anything accepted is a valid group
+    assert decode(encode(message)) == message  # anything accepted is a valid message
 
 
 _i32 = st.integers(0, I32_MAX)
 _finite = st.floats(allow_nan=False, allow_infinity=False)
 
 
-@st.composite
-def samples(draw) -> Sample:
+def _token_arrays(draw) -> dict[str, np.ndarray]:
+    """response_ids, logprobs and versions of one random sample (0-20 tokens)."""
     n = draw(st.integers(0, 20))
-    return Sample(
+    return dict(
         response_ids=np.array(draw(st.lists(_i32, min_size=n, max_size=n)), dtype=np.int32),
         # Bounds exactly representable in float32; 2**-14 < LOGPROB_TOLERANCE.
         logprobs=np.array(draw(st.lists(st.floats(-(2.0**100), 2.0**-14, width=32), min_size=n, max_size=n)),
                           dtype=np.float32),
-        versions=np.array(draw(st.lists(_i32, min_size=n, max_size=n)), dtype=np.int32),
+        versions=np.array(draw(st.lists(_i32, min_size=n, max_size=n)), dtype=np.int32))
+
+
+@st.composite
+def samples(draw) -> Sample:
+    return Sample(
+        **_token_arrays(draw),
         reward=draw(_finite), score=draw(_finite), acc=draw(st.booleans()), truncated=draw(st.booleans()),
         finish_reason=draw(st.text(max_size=10)), gen_seconds=draw(st.floats(0, 1e9)),
     )
@@ -420,3 +436,111 @@ def test_random_valid_groups_round_trip(group):
         assert a.logprobs.tobytes() == b.logprobs.tobytes()  # bit-exact, including -0.0
     assert (back.min_version, back.max_version, back.num_tokens, back.accuracies) == (
         group.min_version, group.max_version, group.num_tokens, group.accuracies)
+
+
+# ------------------------------------------------------------------------- partial groups
+def make_partial(**kw: Any) -> Partial:
+    fields = dict(
+        group_id="e0-p7-abc", prompt_index=7, epoch=2, engine_rank=1, sent_at=1_700_000_000.5,
+        samples=(Progress(np.array([5, 6, 7], np.int32), np.array([-0.5, -0.25, 0.0], np.float32),
+                          np.array([3, 3, 4], np.int32), "stop", 0.75),
+                 Progress(np.array([8, 9], np.int32), np.array([-1.0, -2.0], np.float32),
+                          np.array([4, 5], np.int32), "", 0.5),
+                 Progress(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32), "", 0.0)),
+    )
+    fields.update(kw)
+    return Partial(**fields)
+
+
+def test_partial_round_trips_and_reports_its_progress():
+    partial = make_partial()
+    data = encode_partial(partial)
+    assert encode_message(partial) == data
+    back = decode_message(data)
+    assert isinstance(back, Partial) and back == partial
+    assert msgpack.unpackb(data, raw=False)["schema"] == PARTIAL_SCHEMA
+    # 3 + 2 + 0 tokens; the oldest token is version 3; the first sample finished, the others still run
+    assert (back.num_tokens, back.min_version) == (5, 3)
+    assert [s.finished for s in back.samples] == [True, False, False]
+    assert back.samples[1].logprobs.tolist() == [-1.0, -2.0] and back.samples[1].versions.tolist() == [4, 5]
+    empty = make_partial(samples=(make_partial().samples[2],))
+    assert decode_message(encode_partial(empty)).min_version is None  # no token yet
+
+
+def test_decode_message_tells_groups_from_partials_and_decode_group_refuses_a_partial():
+    group = make_group()
+    assert decode_message(encode_group(group)) == group and encode_message(group) == encode_group(group)
+    with pytest.raises(SchemaMismatch, match=r"^schema: foreign schema 'async_dapo.partial'"):
+        decode_group(encode_partial(make_partial()))
+    other = raw(group) | {"schema": "someone.else"}
+    with pytest.raises(SchemaMismatch, match=r"expected 'async_dapo.group' or 'async_dapo.partial'"):
+        decode_message(pack(other))
+
+
+def _raw_partial() -> dict[str, Any]:
+    return msgpack.unpackb(encode_partial(make_partial()), raw=False)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m.pop("sent_at"), r"^sent_at: missing key$"),
+    (lambda m: m.update(extra=1), r"^extra: unknown key$"),
+    (lambda m: m.update(samples=[]), r"^samples: a partial group needs at least one sample$"),
+    (lambda m: m["samples"][1].pop("finish_reason"), r"^samples\.1\.finish_reason: missing key$"),
+    (lambda m: m["samples"][1].update(reward=1.0), r"^samples\.1\.reward: unknown key$"),  # a Sample's field
+    (lambda m: m["samples"][0]["versions"].update(shape=[2], data=b"\0" * 8),
+     r"^samples\.0\.versions: length 2 != response length 3$"),
+    (lambda m: m["samples"][0].update(gen_seconds=-1.0), r"^samples\.0\.gen_seconds: must be >= 0"),
+    (lambda m: m.update(engine_rank=-1), r"^engine_rank: must be >= 0"),
+    (lambda m: m.update(group_id=""), r"^group_id: must not be empty$"),
+    (lambda m: m.update(v=2), r"^v: schema version 2 is newer"),
+])
+def test_malformed_partial_is_rejected_with_its_field(edit, match):
+    obj = _raw_partial()
+    edit(obj)
+    with pytest.raises(WireError, match=match):
+        decode_message(pack(obj))
+
+
+def test_partial_constructor_refuses_samples_of_a_group():
+    with pytest.raises(WireError, match=r"^samples\.0: expected Progress, got Sample$"):
+        make_partial(samples=(make_sample([1]),))
+    with pytest.raises(WireError, match=r"^logprobs: logprob 0\.5 > 0"):
+        Progress(np.array([1], np.int32), np.array([0.5], np.float32), np.array([0], np.int32), "", 0.0)
+
+
+@st.composite
+def partials(draw) -> Partial:
+    def progress():
+        return Progress(**_token_arrays(draw), finish_reason=draw(st.sampled_from(["", "stop", "length"])),
+                        gen_seconds=draw(st.floats(0, 1e9)))
+
+    return Partial(group_id=draw(st.text(min_size=1, max_size=20)), prompt_index=draw(st.integers(0, 2**63 - 1)),
+                   epoch=draw(st.integers(0, 1000)), engine_rank=draw(st.integers(0, 64)),
+                   samples=tuple(progress() for _ in range(draw(st.integers(1, 4)))),
+                   sent_at=draw(st.floats(0, 1e12)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(partials())
+def test_random_valid_partials_round_trip(partial):
+    back = decode_message(encode_partial(partial))
+    assert back == partial and back.num_tokens == partial.num_tokens and back.min_version == partial.min_version
+    for a, b in zip(back.samples, partial.samples):
+        assert a.logprobs.tobytes() == b.logprobs.tobytes()
+
+
+_VALID_PARTIAL = encode_partial(make_partial())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_VALID_PARTIAL) - 1), st.integers(0, 255)), min_size=1, max_size=4))
+def test_mutated_partial_decodes_or_raises_wire_error(edits):
+    _mutated_decodes_or_raises_wire_error(_VALID_PARTIAL, edits, decode_message, encode_message)  # either kind
+
+
+@given(st.binary(max_size=256))
+def test_random_bytes_raise_only_wire_error_from_decode_message(data):
+    try:
+        decode_message(data)
+    except WireError:
+        pass

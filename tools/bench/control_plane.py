@@ -184,7 +184,7 @@ class ProducerHost:
                 tickets = await queue.admit.remote(rank, self.cap - len(inflight), ADMIT_WAIT_S, incarnation)
                 if tickets:
                     self.admits.append((time.time(), time.perf_counter() - t0, len(tickets)))
-                for group_id, epoch, index, version in tickets:
+                for group_id, epoch, index, version, _carried in tickets:  # (this bench never leaves: none carried)
                     task = asyncio.ensure_future(self._emit(sender, pool, rank, group_id, epoch, index, version))
                     inflight.add(task)
                     task.add_done_callback(inflight.discard)
