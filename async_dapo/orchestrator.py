@@ -29,7 +29,8 @@ from async_dapo.config import Config, dump_config
 from async_dapo.data.rows import val_rows
 from async_dapo.rollout.evaluate import merge_parts, split_rows, val_sampling_params
 from async_dapo.metrics import (
-    ENGINE_SUMS, MetricsWriter, PhaseClock, fleet_metrics, progress_line, step_metrics, timed, val_subsets_line, write_atomic,
+    ENGINE_SUMS, MetricsWriter, PhaseClock, fleet_metrics, progress_line, step_metrics, timed, val_subsets_line,
+    write_atomic,
 )
 from async_dapo.stream.wire import read_groups, write_groups
 from async_dapo.fleet.supervise import EngineSupervisor

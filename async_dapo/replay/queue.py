@@ -16,9 +16,10 @@ ticket ends in exactly one of three ways, and each one is counted:
 
 An abandoned, expired or released ticket gives its admission slot back and its prompt back to the cursor
 (re-issued first), and is counted in ``abandoned/<reason>``. A ticket released because its engine left carries
-that engine's last progress report (:mod:`async_dapo.replay.partials`) to the next admission of its prompt. A group that arrives for a ticket that is no
-longer outstanding (expired, released, or from another run) is dropped and counted
-(``rejected_unexpected``): the prompt was already given back, so it must not be trained twice.
+that engine's last progress report (:mod:`async_dapo.replay.partials`) to the next admission of its prompt. A
+group that arrives for a ticket that is no longer outstanding (expired, released, or from another run) is
+dropped and counted (``rejected_unexpected``): the prompt was already given back, so it must not be trained
+twice.
 """
 
 from __future__ import annotations
