@@ -270,7 +270,7 @@ class StreamTM(ScriptTM):
 
         async def gen():
             for i, ids, logprobs, finish in self.chunks:
-                await self.go.wait()
+                await asyncio.wait_for(self.go.wait(), 10)  # a test that never says go fails, not hangs
                 self.go.clear()
                 yield {**_chunk(ids, logprobs, finish), "index": i}
 
