@@ -50,7 +50,7 @@ _REPLAY_TAGS = {
     "partials_received": "replay/partials_received", "partials_unexpected": "replay/partials_unexpected",
     "partials_held": "replay/partials_held", "partials_carried": "replay/partials_carried",
     "partials_waiting": "replay/partials_waiting", "partials_handed_out": "replay/partials_handed_out",
-    "partial_tokens_handed_out": "replay/partial_tokens_handed_out",
+    "partial_tokens_handed_out": "replay/partial_tokens_handed_out", "partials_restored": "replay/partials_restored",
 }
 # engine counters summed over the engine processes and over steps (a replacement counts from zero)
 ENGINE_SUMS = ("aborted_tokens", "continued_tokens", "carried_tokens", "carried_stale_tokens", "partials_unsent")
@@ -239,7 +239,7 @@ def rewind_jsonl(path: Path, step: int) -> int:
     return len(lines) - len(keep)
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | bytes) -> None:
     """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one, never a torn
     one: write a temporary file beside it, flush it to disk, then rename over (atomic on POSIX). The temporary
     file's name is this writer's own (process id and a random part, created exclusively), so two writers of
@@ -251,7 +251,7 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -27,6 +27,7 @@ from async_dapo.checkpoint import run_dir as checkpoints
 from async_dapo.checkpoint.run_dir import RunDir
 from async_dapo.config import Config, dump_config
 from async_dapo.data.rows import val_rows
+from async_dapo.replay.partials import saved_limit
 from async_dapo.rollout.evaluate import merge_parts, split_rows, val_sampling_params
 from async_dapo.metrics import (
     ENGINE_SUMS, MetricsWriter, PhaseClock, fleet_metrics, progress_line, step_metrics, timed, val_subsets_line,
@@ -81,6 +82,7 @@ class Run:
         self._predicted_s: float | None = None  # the planner's step time (logging.plan_profile)
         self._step_times: list[float] = []
         self._stop_at: int | None = None  # the step in progress when `async-dapo stop` asked
+        self._fetched: list | None = None  # the batch taken from the queue for the step in progress
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Run":
@@ -189,8 +191,9 @@ class Run:
         versions = self.placed.on_learners("load_checkpoint", str(ckpt))
         if set(versions) != {self.version}:
             raise RunFailed(f"{ckpt}: learner ranks restored versions {versions}, meta.json says {self.version}")
-        self.placed.get(self.placed.replay.load_state_dict.remote(checkpoints.read_replay_state(ckpt)),
-                        "replay state")
+        state = checkpoints.read_replay_state(ckpt, self.cfg.transport.max_message_bytes,
+                                              saved_limit(self.cfg.replay.capacity_groups))
+        self.placed.get(self.placed.replay.load_state_dict.remote(state), "replay state")
         self._push_now(self.version)  # engines restart from model.path: give them the restored weights first
         log.info("resumed from %s at step %d, version %d", ckpt, self.step, self.version)
 
@@ -202,6 +205,7 @@ class Run:
         with self.clock.phase("shutdown"):
             placed = getattr(self, "placed", None)
             if placed is not None:
+                self._keep_work_in_flight()
                 placed.shutdown()
             if self._started_ray and ray.is_initialized():
                 ray.shutdown()
@@ -210,6 +214,27 @@ class Run:
         if getattr(self, "metrics", None) is not None:
             self.metrics.write(self.step, self.clock.metrics())
             self.metrics.close()
+
+    def _keep_work_in_flight(self) -> None:
+        """However the run ends: if the newest checkpoint is of the learner's current step, its replay state is
+        rewritten with the queue's state now, so that ``--resume`` continues the work generated since it was
+        taken (the groups in flight, as last reported, the groups queued, and the batch of a step that did not
+        finish). Past it, that work was made for steps the resumed run trains again, and is lost (said here).
+        Bounded by placement.call_timeout_s; a failure leaves the checkpoint as it was."""
+        try:
+            latest = checkpoints.latest_complete(self.dir.checkpoints)
+            if latest is None:
+                return
+            if checkpoints.read_meta(latest) != (self.step, self.version):
+                log.info("the work in flight is not kept: the learner trained past the last checkpoint %s "
+                         "(checkpoint.every_steps)", latest)
+                return
+            state = self.placed.get(self.placed.replay.state_dict.remote(self._fetched or ()), "replay state")
+            checkpoints.write_replay_state(latest, state)
+            log.info("the work in flight at the end (%d prompts) is kept with %s: --resume continues it",
+                     len(state["partials"]), latest)
+        except BaseException as exc:  # a second Ctrl-C / SIGTERM included: the actors must still be ended
+            log.warning("the work in flight at the end is not kept: %r", exc)
 
     # ------------------------------------------------------------------ loop operations
     @timed("waiting_for_data")
@@ -221,6 +246,7 @@ class Run:
             batch = self._await_batch()
         if self.cfg.logging.record_batches:
             write_groups(batch, self.dir.batch(self.step + 1))
+        self._fetched = batch if recorded is None else None  # out of the queue, not trained yet
         self._wait_data_s = time.perf_counter() - t0
         self._batch_version = self.version  # the weights this batch is trained on
         return batch
@@ -252,7 +278,7 @@ class Run:
     @timed("training")
     def train(self, batch: list) -> dict[str, float]:
         stats = self.placed.on_learners("train_step", self.placed.put(batch))[0]
-        self.version = int(stats["version"])
+        self.version, self._fetched = int(stats["version"]), None
         self._write_prompts(batch)
         return stats
 

@@ -15,7 +15,8 @@ Layout::
     <run_dir>/stop.json            ``async-dapo stop``: end the run after its current step (read by the run)
     <run_dir>/batches/step_N.bin   logging.record_batches: each step's groups (wire encoding)
     <run_dir>/hf/                  checkpoint.export_hf: the final policy in HF format
-    <run_dir>/checkpoints/step_N/  DCP shards, extra_rank<r>.json (async_dapo.checkpoint.rank_state), replay.json, meta.json
+    <run_dir>/checkpoints/step_N/  DCP shards, extra_rank<r>.json (async_dapo.checkpoint.rank_state), replay.json
+                                   (the queue's cursor), partials.bin (the work generated and not trained yet), meta.json
     <run_dir>/checkpoints/latest.json
 
 A checkpoint is **complete** when its ``meta.json`` (written last, atomically) names a step and its
@@ -34,7 +35,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
+
 from async_dapo.metrics import rewind_jsonl, write_atomic
+from async_dapo.stream.wire import Partial, WireError, decode_message
 
 
 @dataclass(frozen=True)
@@ -160,9 +164,49 @@ def read_meta(ckpt: Path) -> tuple[int, int]:
     return int(meta["step"]), int(meta["version"])
 
 
-def read_replay_state(ckpt: Path) -> dict:
-    """The replay queue's state saved with ``ckpt`` (plain JSON: cursor, quarantine, counters)."""
-    return json.loads(read_small(ckpt / "replay.json", REPLAY_MAX_BYTES))
+def read_replay_state(ckpt: Path, max_message_bytes: int, max_partials: int) -> dict:
+    """The replay queue's state saved with ``ckpt``: plain JSON (cursor, version) and, in ``partials.bin``,
+    the work generated and not trained yet (at most ``max_partials`` reports, each decoded and checked like a
+    message off the wire within ``max_message_bytes``: no pickle; a checkpoint written before reports were
+    saved has none)."""
+    state = json.loads(read_small(ckpt / "replay.json", REPLAY_MAX_BYTES))
+    state["partials"] = read_partials(ckpt / "partials.bin", max_message_bytes, max_partials)
+    return state
+
+
+def read_partials(path: Path, max_message_bytes: int, max_partials: int) -> list[Partial]:
+    """The reports :func:`write_replay_state` saved (a msgpack array of wire-encoded reports); OSError naming
+    the file and the entry at fault."""
+    try:
+        data = read_small(path, max_partials * (max_message_bytes + 8) + 8)
+    except FileNotFoundError:
+        return []
+    try:
+        entries = msgpack.unpackb(data, max_bin_len=max_message_bytes, max_array_len=max_partials, max_map_len=0,
+                                  max_str_len=0, max_ext_len=0)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise OSError(f"{path}: not an array of at most {max_partials} reports: {exc}") from None
+    if not isinstance(entries, list) or not all(isinstance(e, bytes) for e in entries):
+        raise OSError(f"{path}: not an array of encoded reports")
+    partials = []
+    for i, entry in enumerate(entries):
+        try:
+            partial = decode_message(entry, max_message_bytes)
+        except WireError as exc:
+            raise OSError(f"{path}: report {i}: {exc}") from None
+        if not isinstance(partial, Partial):
+            raise OSError(f"{path}: report {i}: a group, not a report")
+        partials.append(partial)
+    return partials
+
+
+def write_replay_state(ckpt: Path, replay_state: dict) -> None:
+    """The queue's state (:meth:`ReplayQueue.state_dict`): its encoded reports to ``partials.bin``, then the
+    rest to ``replay.json``. Each file is replaced whole; a crash between the two leaves reports for prompts
+    that either cursor issues again (every prompt not trained at that step is given back in both)."""
+    state = dict(replay_state)
+    write_atomic(ckpt / "partials.bin", msgpack.packb(state.pop("partials", [])))
+    write_atomic(ckpt / "replay.json", json.dumps(state))
 
 
 def begin(ckpt: Path) -> None:
@@ -174,7 +218,7 @@ def begin(ckpt: Path) -> None:
 def commit(run: RunDir, ckpt: Path, step: int, version: int, replay_state: dict, keep_last: int) -> None:
     """Finish a checkpoint whose shards are written: the replay queue's state, then the metadata (last,
     atomically: from here on it is complete), ``latest.json``, and pruning to the newest ``keep_last``."""
-    write_atomic(ckpt / "replay.json", json.dumps(replay_state))
+    write_replay_state(ckpt, replay_state)
     meta = json.dumps({"step": step, "version": version})
     write_atomic(ckpt / "meta.json", meta)
     write_atomic(run.checkpoints / "latest.json", meta)

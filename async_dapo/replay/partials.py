@@ -14,8 +14,14 @@ carried in turn. The prompt itself is accounted for by its tickets, as before: n
 Memory: one report per outstanding ticket (each within transport.max_message_bytes; tickets are bounded by
 admission) plus one per prompt released by a leaving engine until that prompt is admitted again.
 
+A checkpoint keeps the same work across a restart (:meth:`PartialStore.saved`): the latest report of every
+outstanding ticket, the carried reports still waiting, and the queued groups (complete, not trained yet) as
+reports whose samples have all finished. ``--resume`` gives their prompts back to the cursor as the
+checkpoint always did, and :meth:`PartialStore.restore` carries each report to its prompt's next admission.
+
 ``replay.carry_partials: false`` keeps the reports (so a leave's loss is measured) but carries none: the
-tokens of a leaving engine's reports are then counted as ``wasted_tokens/<reason>``.
+tokens of a leaving engine's reports are then counted as ``wasted_tokens/<reason>``, and those a checkpoint
+saved as ``wasted_tokens/restart`` when the run resumes.
 """
 
 from __future__ import annotations
@@ -23,10 +29,27 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from async_dapo.stream.wire import Partial
+from async_dapo.stream.wire import Group, Partial, Progress
 
 # release reason (replay/abandoned/<reason>) -> the waste reason of the tokens a leave throws away
 LEAVE_REASONS = {"actor_failed": "engine_loss", "scaled_down": "scale_down"}
+WASTE_REASONS = (*LEAVE_REASONS.values(), "restart")
+
+
+def saved_limit(capacity_groups: int) -> int:
+    """The most reports a checkpoint keeps: queued groups (at most replay.capacity_groups), outstanding
+    tickets and the carried reports of released prompts (each at most the admission window, which the config
+    keeps within the capacity)."""
+    return 3 * capacity_groups
+
+
+def finished_report(group: Group) -> Partial:
+    """A complete group as a report whose samples have all finished: the engine that is handed it scores them
+    again and sends them as they are (a sample with no finish reason on record ended as "stop")."""
+    return Partial(group_id=group.group_id, prompt_index=group.prompt_index, epoch=group.epoch,
+                   engine_rank=group.engine_rank, sent_at=group.created_at,
+                   samples=tuple(Progress(s.response_ids, s.logprobs, s.versions, s.finish_reason or "stop",
+                                          s.gen_seconds) for s in group.samples))
 
 
 @dataclass(frozen=True)
@@ -88,10 +111,29 @@ class PartialStore:
             self.counts["handed_out_tokens"] += partial.num_tokens
         return partial
 
+    def saved(self, queued: tuple[Group, ...], limit: int) -> list[Partial]:
+        """What a checkpoint keeps of the work not trained yet: the latest report of each outstanding ticket,
+        the carried reports waiting for their prompt, and the ``queued`` groups as finished reports; at most
+        ``limit`` of them (the newest reports first: a queue that respects its capacity never reaches it)."""
+        reports = sorted((p for p in self.latest.values() if p.num_tokens), key=lambda p: -p.sent_at)
+        saved = [*map(finished_report, queued), *self.carried.values(), *reports]
+        return saved[:limit]
+
+    def restore(self, partials: list[Partial]) -> None:
+        """The reports a checkpoint saved: carried to the next admission of each one's prompt (with carrying
+        off, their tokens are counted as ``wasted_tokens/restart`` instead)."""
+        for partial in partials:
+            self.counts["restored"] += 1
+            if self.carry:
+                self.carried[(partial.epoch, partial.prompt_index)] = partial
+            else:
+                self.wasted_tokens["restart"] += partial.num_tokens
+
     def stats(self) -> dict[str, int]:
         return {"partials_received": self.counts["received"], "partials_unexpected": self.counts["unexpected"],
                 "partials_out_of_order": self.counts["out_of_order"], "partials_held": len(self.latest),
                 "partials_carried": self.counts["carried"], "partials_waiting": len(self.carried),
                 "partials_handed_out": self.counts["handed_out"],
                 "partial_tokens_handed_out": self.counts["handed_out_tokens"],
-                **{f"wasted_tokens/{reason}": self.wasted_tokens[reason] for reason in LEAVE_REASONS.values()}}
+                "partials_restored": self.counts["restored"],
+                **{f"wasted_tokens/{reason}": self.wasted_tokens[reason] for reason in WASTE_REASONS}}

@@ -35,10 +35,10 @@ from typing import Any
 
 from async_dapo.config import Config, engine_ceiling, resolved_batch_order
 from async_dapo.data.rows import PromptCursor, prompt_ids, train_rows
-from async_dapo.replay.partials import Claim, PartialStore
+from async_dapo.replay.partials import Claim, PartialStore, saved_limit
 from async_dapo.replay.policy import ACCEPTED, ReplayPolicy
 from async_dapo.stream.transport import GroupReceiver, new_secret
-from async_dapo.stream.wire import Group, Partial
+from async_dapo.stream.wire import Group, Partial, encode_partial
 
 log = logging.getLogger(__name__)
 
@@ -362,17 +362,26 @@ class ReplayQueue:
                 "wait_admit_s": self.wait_seconds["admit"], "wait_batch_s": self.wait_seconds["batch"],
                 "silent_s": self.silent_s()}
 
-    async def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state: the cursor with every admitted-but-untrained prompt given back."""
-        queued = [(g.epoch, g.prompt_index) for g in self.policy.queued()]
+    async def state_dict(self, untrained: tuple[Group, ...] | list[Group] = ()) -> dict[str, Any]:
+        """Checkpointable state: the cursor with every admitted-but-untrained prompt given back (``untrained``:
+        groups handed out in a batch the learner has not trained), and the work generated for them so far."""
+        groups = (*self.policy.queued(), *untrained)
         cur = PromptCursor(self.cursor.num_rows, self.cursor.seed)  # the state carries retirement; keys are not state
         cur.load_state_dict(self.cursor.state_dict())
-        cur.give_back([(t.epoch, t.index) for t in self.tickets.values()] + queued)
-        return {"cursor": cur.state_dict(), "version": self.version.value}
+        cur.give_back([(t.epoch, t.index) for t in self.tickets.values()] + [(g.epoch, g.prompt_index) for g in groups])
+        kept = self.partials.saved(groups, saved_limit(self.cfg.replay.capacity_groups))
+        return {"cursor": cur.state_dict(), "version": self.version.value,
+                "partials": [encode_partial(p) for p in kept]}
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's state (:meth:`state_dict`, its ``partials`` decoded by the checkpoint's reader)."""
         self.cursor.load_state_dict(state["cursor"])
         self.version.value = state["version"]
+        partials = state.get("partials", [])
+        self.partials.restore(partials)
+        log.info("restored the generated work of %d prompts (%d tokens) with the checkpoint%s", len(partials),
+                 sum(p.num_tokens for p in partials),
+                 "" if self.partials.carry else ": counted as wasted (replay.carry_partials is false)")
 
     async def close(self) -> None:
         if self._receiving is not None:

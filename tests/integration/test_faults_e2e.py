@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from tests.conftest import CPU_CONFIG, REPO
@@ -106,6 +107,9 @@ def test_killed_learner_stops_the_run_naming_it_and_resume_finishes(tiny_model, 
     print(f"\nlearner SIGKILL -> run exited 1: {noticed_s:.1f} s; {lines[0]}")
     assert noticed_s < 120  # a dead learner ends the run in bounded time (process exit included)
 
+    # What the checkpoint kept of the work not trained yet (groups queued, the batch of the step the dead
+    # learner did not finish): the resumed run reads every report of it back.
+    kept = len(msgpack.unpackb((run_dir / "checkpoints" / f"step_{ckpt_step}" / "partials.bin").read_bytes()))
     resumed = subprocess.run(_cmd(run_dir, "--resume", str(run_dir), "--set", "learner.total_steps=10",
                                   "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=10"),
                              cwd=REPO, timeout=900, capture_output=True, text=True)
@@ -113,6 +117,9 @@ def test_killed_learner_stops_the_run_naming_it_and_resume_finishes(tiny_model, 
     steps = [m["step"] for m in _train_rows(run_dir)]
     assert steps == list(range(1, 11))  # exactly one metrics row per step across kill + resume
     _assert_prompts_trained_once(run_dir)
+    print(f"the checkpoint of step {ckpt_step} kept {kept} groups' work; the resumed run handed out "
+          f"{_train_rows(run_dir)[-1]['replay/partial_tokens_handed_out']:.0f} of its tokens")
+    assert _train_rows(run_dir)[-1]["replay/partials_restored"] == kept
 
 
 def _assert_prompts_trained_once(run_dir: Path) -> None:

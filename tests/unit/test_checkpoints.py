@@ -165,7 +165,7 @@ def test_a_checkpoint_is_complete_only_once_committed_and_latest_follows_it(tmp_
         assert complete(ckpt) and read_meta(ckpt) == (step, step + 10)
     assert [p.name for p in sorted(run.checkpoints.glob("step_*"))] == ["step_4", "step_6"]  # pruned to 2
     assert json.loads((run.checkpoints / "latest.json").read_text()) == {"step": 6, "version": 16}
-    assert read_replay_state(run.step_dir(6)) == {"cursor": 6}
+    assert read_replay_state(run.step_dir(6), 1024, 4) == {"cursor": 6, "partials": []}
     begin(run.step_dir(6))  # re-saving step 6: incomplete again until committed
     assert latest_complete(run.checkpoints) == run.step_dir(4)
 
@@ -229,7 +229,8 @@ def test_a_checkpoints_json_files_are_read_only_as_small_regular_files(tmp_path)
     for name, make, why in cases:
         make(ckpt / name)
         got: list = []
-        reader = checkpoints.read_meta if name == "meta.json" else checkpoints.read_replay_state
+        reader = checkpoints.read_meta if name == "meta.json" else (
+            lambda c: checkpoints.read_replay_state(c, 1024, 4))
         t = threading.Thread(target=lambda: got.append(_error_of(lambda: reader(ckpt))), daemon=True)
         t.start()
         t.join(2)

@@ -150,6 +150,105 @@ async def _stat(svc, key, value):
     return (await svc.stats())[key] >= value
 
 
+@pytest.mark.parametrize("carry", [True, False])
+def test_a_checkpoint_keeps_the_work_not_trained_yet_and_a_resume_hands_it_out_once(tmp_path, carry):
+    """At the checkpoint the queue holds one outstanding ticket's latest report (prompt a, engine 1, 3 tokens),
+    one released prompt's carried report waiting for its next admission (c: engine 0 died, 5 tokens), one
+    queued group (e) and a batch handed to the learner whose step did not finish (b, d; 4 tokens each group).
+    Through the checkpoint's files, a new queue (the resumed run) hands each out once with the next admission
+    of its prompt, the groups as reports whose samples have all finished; with carrying off the 3 + 3 x 4
+    tokens are counted as lost to the restart (c's 5 were counted as lost to the death)."""
+    from async_dapo.checkpoint.run_dir import read_replay_state, write_replay_state
+    from async_dapo.replay.partials import finished_report
+
+    async def run():
+        cfg = _cfg(f"replay.carry_partials={str(carry).lower()}", "replay.max_staleness=2")
+        svc = ReplayQueue(cfg)
+        tx = GroupSender(await svc.address(), secret=await svc.producer_secret())
+        try:
+            a, b, c, d, e = await svc.admit(0, 5)
+            for t in (a, c):
+                tx.send(_partial(group_id=t[0], epoch=t[1], index=t[2]), timeout_ms=2000)
+            for t in (b, d):
+                tx.send(_group(t, 0), timeout_ms=2000)
+            await _until(lambda: _stat(svc, "received", 2))
+            batch = (await svc.get_batch(0, 5.0))["batch"]  # b and d: the learner's step will not finish
+            tx.send(_group(e, 0), timeout_ms=2000)  # e's group arrives and waits for the next batch
+            await _until(lambda: _stat(svc, "received", 3))
+            await _until(lambda: _stat(svc, "partials_received", 2))
+            await svc.release_engine(0, "actor_failed")  # a and c go back with their reports
+            (a2,) = await svc.admit(1, 1)  # a again (re-issued first): its carried report is handed out
+            tx.send(_partial(group_id=a2[0], epoch=a2[1], index=a2[2], engine_rank=1,
+                             samples=(_progress([4], [0]), _progress([3, 2], [0, 0]))), timeout_ms=2000)
+            await _until(lambda: _stat(svc, "partials_received", 3))
+            state = await svc.state_dict(batch)
+        finally:
+            tx.close()
+            await svc.close()
+        write_replay_state(tmp_path, state)
+        restored = read_replay_state(tmp_path, cfg.transport.max_message_bytes, 24)
+        resumed = ReplayQueue(cfg)
+        try:
+            await resumed.load_state_dict(restored)
+            tickets = await resumed.admit(0, 6)
+            stats = await resumed.stats()
+        finally:
+            await resumed.close()
+        return (a, b, c, d, e), tickets, stats
+
+    (a, b, c, d, e), tickets, stats = asyncio.run(run())
+    assert [(t[1], t[2]) for t in tickets[:5]] == sorted((t[1], t[2]) for t in (a, b, c, d, e))  # given back
+    assert tickets[5][4] is None  # a fresh prompt carries nothing
+    carried = {t[2]: t[4] for t in tickets[:5]}
+    if carry:
+        assert carried[a[2]].engine_rank == 1 and [p.response_ids.tolist() for p in carried[a[2]].samples] == [
+            [4], [3, 2]]
+        assert carried[c[2]] == _partial(group_id=c[0], epoch=c[1], index=c[2])
+        for t in (b, d, e):
+            assert carried[t[2]] == finished_report(_group(t, 0))
+            assert [(p.finish_reason, p.response_ids.tolist(), p.versions.tolist()) for p in carried[t[2]].samples
+                    ] == [("stop", [5, 6], [0, 0])] * 2
+        assert (stats["partials_restored"], stats["partials_handed_out"], stats["partial_tokens_handed_out"]) == (
+            5, 5, 3 + 5 + 3 * 4)
+        assert stats["wasted_tokens/restart"] == 0
+    else:
+        assert set(carried.values()) == {None}
+        assert (stats["partials_restored"], stats["wasted_tokens/restart"]) == (4, 3 + 3 * 4)
+
+
+def test_a_checkpoint_keeps_at_most_its_limit_of_reports_queued_groups_first():
+    store = PartialStore(carry=True)
+    for n, sent_at in enumerate((1.0, 3.0, 2.0)):
+        claim = Claim(f"0-{n}-{n}", 0, n, 0)
+        store.report(_partial(group_id=claim.group_id, index=n, sent_at=sent_at), claim)
+    queued = (_group(("0-9-9", 0, 9), 0),)
+    assert [p.prompt_index for p in store.saved(queued, 10)] == [9, 1, 2, 0]  # the newest reports first
+    assert [p.prompt_index for p in store.saved(queued, 2)] == [9, 1]
+
+
+def test_a_checkpoints_reports_file_is_read_within_bounds_and_each_fault_is_named(tmp_path):
+    import msgpack
+
+    from async_dapo.checkpoint.run_dir import read_partials
+    from async_dapo.stream.wire import encode_group, encode_partial
+
+    path = tmp_path / "partials.bin"
+    assert read_partials(path, 4096, 4) == []  # a checkpoint from before reports were kept
+    good = encode_partial(_partial())
+    path.write_bytes(msgpack.packb([good, good]))
+    assert read_partials(path, 4096, 4) == [_partial(), _partial()]
+    cases = [([good, b"junk"], 4096, 4, "report 1: "),
+             ([encode_group(_group(("0-1-0", 0, 1), 0))], 4096, 4, "report 0: a group, not a report"),
+             ([good, good], 4096, 1, "not an array of at most 1 reports"),  # more reports than the limit
+             ([good], 64, 40, "exceeds max_bin_len(64)"),  # one larger than transport.max_message_bytes
+             ({"a": 1}, 4096, 4, "not an array")]
+    for entries, max_bytes, limit, why in cases:
+        path.write_bytes(msgpack.packb(entries))
+        with pytest.raises(OSError) as err:
+            read_partials(path, max_bytes, limit)
+        assert str(err.value).startswith(f"{path}: ") and why in str(err.value), (why, str(err.value))
+
+
 # ------------------------------------------------------------------------------- the rollout actor
 class ScriptTM:
     """Answers each request with the next scripted (finish, ids, logprobs); records the input ids and
