@@ -431,9 +431,11 @@ def _open_regular(path: Path) -> tuple[int, int] | None:
     return fd, st.st_size
 
 
-def _read_upto(fd: int, n: int) -> bytes:
+def _read_upto(fd: int, n: int, chunk_bytes: int = 1 << 20) -> bytes:
+    """At most ``n`` bytes, read a chunk at a time: ``n`` is a bound, not a size (os.read allocates what it
+    is asked for, and a bound of gigabytes fails before reading a byte)."""
     chunks, got = [], 0
-    while got < n and (chunk := os.read(fd, n - got)):
+    while got < n and (chunk := os.read(fd, min(n - got, chunk_bytes))):
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)

@@ -41,8 +41,10 @@ class ReplayConfig(Section):
     carry_partials: bool = Field(
         True, description="With rollout.partial_every_s > 0: the prompts of an engine that leaves the fleet "
         "go back to the cursor with that engine's last progress report, and the engine that takes such a "
-        "prompt next continues its samples from there. false = the reports are kept but never carried: what "
-        "a leave throws away is counted (rollout/wasted_tokens/engine_loss, scale_down), for comparison.",
+        "prompt next continues its samples from there. Also across a restart: what a checkpoint kept of the "
+        "work not trained yet (the reports, the queued groups) is carried the same way after --resume. "
+        "false = the reports are kept but never carried: what a leave or a restart throws away is counted "
+        "(rollout/wasted_tokens/engine_loss, scale_down, restart), for comparison.",
     )
     silence_timeout_s: float = Field(
         900, gt=0, description="The learner's wait for a batch fails when no group at all arrived for this "

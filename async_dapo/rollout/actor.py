@@ -186,7 +186,7 @@ class _Slot:
     known: tuple | None = None  # the last progress of this request known exactly
     done: dict[str, Any] | None = None
 
-    def begin(self, rid: str, start: tuple[int, int], prefix: Prefix | None) -> None:
+    def begin(self, rid: str | None, start: tuple[int, int], prefix: Prefix | None) -> None:
         self.rid, self.start, self.prefix, self.latest, self.known = rid, start, prefix, None, None
 
 
@@ -226,6 +226,13 @@ def _progress_of(slot: _Slot, now: tuple[int, int] | None) -> tuple[list[int], l
     slot.known = (head.ids + list(slot.latest["output_ids"][:n]), head.logprobs + logprobs,
                   np.concatenate([head.versions, tail]), finish, head.seconds)
     return slot.known
+
+
+def _forget_unkept(slot: _Slot | None, prefix: Prefix | None) -> None:
+    """An aborted request's tokens that are not kept (counted as aborted) leave its slot's reports at once: a
+    report sent before the sample is drawn again must not carry them to another engine as well."""
+    if slot is not None and prefix is None:
+        slot.begin(None, slot.start, None)
 
 
 def fit_prompt(cfg: Config, prompt: list[int], index: int) -> list[int]:
@@ -382,6 +389,7 @@ class EngineSession:
             if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
                 ours = updates != self.updates_started
                 prefix = self._after_abort(out, start_version, seconds, ours, None)
+                _forget_unkept(slot, prefix)
                 redraw.append((i, self.sample_once(prompt_ids, params, int(not ours), prefix, slot)))
             else:
                 out["_start_version"], out["_seconds"] = start_version, seconds
@@ -415,6 +423,7 @@ class EngineSession:
                 return self._finish(slot, out, None)
             ours = updates != self.updates_started
             prefix = self._after_abort(out, start_version, seconds, ours, prefix)
+            _forget_unkept(slot, prefix)
             if not ours:
                 foreign_aborts += 1
                 if foreign_aborts > self.cfg.rollout.max_abort_retries:
@@ -507,7 +516,12 @@ class EngineSession:
             if carried is not None and len(carried.samples) == n:
                 outs = await gather_all(self._carry_on(prompt, params, p, slot)
                                         for p, slot in zip(carried.samples, track.slots))
-            else:  # (a report of another group size: a resume that changed rollout.n; it is not used)
+            else:
+                if carried is not None:  # another group size: a resume that changed rollout.n
+                    self.stats.carried_stale_tokens += carried.num_tokens
+                    log.warning("group %s: the carried report holds %d samples, rollout.n is %d: drawn afresh "
+                                "(%d tokens counted as carried_stale)", group_id, len(carried.samples), n,
+                                carried.num_tokens)
                 outs = await self.sample_n(prompt, params, n, track.slots)
         finally:
             self.tracks.pop(group_id, None)

@@ -14,7 +14,7 @@ import pytest
 from async_dapo.config import load_config
 from async_dapo.replay.partials import Claim, PartialStore
 from async_dapo.replay.queue import ReplayQueue
-from async_dapo.rollout.actor import EngineSession, Prefix, _progress_of, _Slot
+from async_dapo.rollout.actor import EngineSession, GroupFailed, Prefix, _progress_of, _Slot
 from async_dapo.stream.transport import GroupSender
 from async_dapo.stream.wire import Group, Partial, Progress, Sample
 
@@ -237,6 +237,8 @@ def test_a_checkpoints_reports_file_is_read_within_bounds_and_each_fault_is_name
     good = encode_partial(_partial())
     path.write_bytes(msgpack.packb([good, good]))
     assert read_partials(path, 4096, 4) == [_partial(), _partial()]
+    # the run's own bounds (3 x 128 reports of up to 64 MiB: a 24 GiB bound) read a small file as it is
+    assert read_partials(path, 64 << 20, 3 * 128) == [_partial(), _partial()]
     cases = [([good, b"junk"], 4096, 4, "report 1: "),
              ([encode_group(_group(("0-1-0", 0, 1), 0))], 4096, 4, "report 0: a group, not a report"),
              ([good, good], 4096, 1, "not an array of at most 1 reports"),  # more reports than the limit
@@ -304,6 +306,55 @@ def test_carried_tokens_past_the_staleness_bound_are_dropped_and_counted(finish)
     out = asyncio.run(s._carry_on(PROMPT, {"max_new_tokens": 8}, _progress([5, 6], [0, 1], finish), _Slot()))
     assert s.tm.requests == [(PROMPT, 8)] and out["output_ids"] == [13]
     assert (s.stats.carried_tokens, s.stats.carried_stale_tokens, s.stats.aborted_tokens) == (0, 2, 0)
+
+
+def test_tokens_an_abort_throws_away_leave_the_reports_at_once():
+    """Without rollout.partial_rollout an aborted request's tokens are counted as aborted; a report sent before
+    the sample is drawn again (or, here, after the group failed) must not carry them to another engine too."""
+    slot = _Slot()
+
+    class ReadMidway(ScriptTM):
+        def generate_request(self, obj, request):
+            outputs = super().generate_request(obj, request)
+
+            async def gen():
+                slot.known = ([5], [-0.1], np.zeros(1, np.int32), "", 0.0)  # a report read its first token
+                async for out in outputs:
+                    yield out
+
+            return gen()
+
+    s = _session([], "rollout.max_abort_retries=0")
+    s.tm = ReadMidway([("abort", [5, 6], [-0.1, -0.2])])
+    with pytest.raises(GroupFailed):
+        asyncio.run(s.sample_once(PROMPT, {"max_new_tokens": 8}, slot=slot))
+    assert s.stats.aborted_tokens == 2
+    assert _progress_of(slot, (0, 0))[0] == []
+
+
+def test_a_carried_report_of_another_group_size_is_drawn_afresh_and_counted():
+    class BatchTM(ScriptTM):  # a batch of n completions, not streamed, answered as one list
+        def generate_request(self, obj, request):
+            self.requests.append(len(obj.input_ids))
+
+            async def gen():
+                yield [{"output_ids": [13], "meta_info": {"finish_reason": {"type": "stop"},
+                                                          "output_token_logprobs": [(-0.3, 13)]}}] * 3
+
+            return gen()
+
+    s = _session([], "rollout.n=3", "rollout.partial_every_s=0")
+    s.tm = BatchTM([])
+    s.rows = [SimpleNamespace(prompt=None, data_source="t", ground_truth="7", extra_info={})]
+    s._prompt_ids[0] = PROMPT
+
+    async def no_scores(row, texts):
+        return [SimpleNamespace(score=1.0, acc=True)] * len(texts)
+
+    s._score_texts, s.tokenizer = no_scores, SimpleNamespace(decode=lambda ids, **kw: "x")
+    group = asyncio.run(s.sample_group("0-0-1", 0, 0, 0, _partial()))  # 2 samples, 3 + 2 tokens
+    assert [g.response_ids.tolist() for g in group.samples] == [[13]] * 3 and s.tm.requests == [3]
+    assert (s.stats.carried_stale_tokens, s.stats.carried_tokens) == (5, 0)
 
 
 def _chunk(ids, logprobs, finish=None, spans=None):

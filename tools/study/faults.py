@@ -4,7 +4,8 @@ with ``replay.carry_partials`` false ("before": the reports are kept only to cou
 away) and true ("after": carried to the engine that takes each prompt next, or kept with the checkpoint):
 
 * ``kill``: SIGKILL of engine 1 while it generates (the supervisor replaces it);
-* ``scale``: ``async-dapo scale RUN_DIR --engines 1`` while both generate;
+* ``scale``: ``async-dapo scale RUN_DIR --engines 1`` while both generate (the request that command writes,
+  written here: the command's own start took up to 20 s on a loaded 2-core machine, past the run's end);
 * ``restart``: SIGTERM to the run while it generates, then ``--resume`` (a checkpoint every step, so the run
   ends at its newest checkpoint's step and keeps what was in flight with it).
 
@@ -25,7 +26,8 @@ fault, steps/s over the steps after ``--warmup`` (same invocation, one after the
 
     python tools/study/faults.py [--faults kill scale restart overhead] [--out runs/faults] [--cadence 0.5]
 
-Outputs in OUT: faults.md / faults.csv / faults.jsonl, overhead.md / overhead.csv, and each run's directory.
+Outputs in OUT: faults.md / faults.csv / faults.jsonl, overhead.md / overhead.csv, and each run's directory
+(a fault run finished there already is measured again, not run again).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.py
-from common import REPO, cli_command, load_config, parser, records, save_results, step_records  # noqa: E402
+from common import (  # noqa: E402
+    REPO, cli_command, finished, load_config, parser, records, save_results, step_records,
+)
 
 CONFIG = REPO / "configs" / "longtail_cpu.yaml"
 TOL, MEAN_TOL = 1e-2, 1e-4  # tests/integration/test_rollout.py: engine against transformers, fp32
@@ -51,7 +55,10 @@ FAULT_COLUMNS = ["fault", "arm", "steps", "wasted", "handed_out", "carried", "ca
 
 def _sets(args, run_dir: Path, carry: bool | None, steps: int) -> list[str]:
     """The runs' settings; ``carry`` None: progress reports off."""
+    # Each engine holds at most half of the admission window ((eta + 1) x B = 48): otherwise the engine that
+    # asks first takes it all, and the other one has next to nothing in flight to lose.
     sets = [f"logging.run_dir={run_dir}", "placement.num_engines=2", "placement.engine_cpus=0.5",
+            "rollout.max_inflight_prompts=24",
             f"learner.total_steps={steps}", "logging.val_every_steps=0", "logging.plan_profile=null"]
     if carry is None:
         return sets + ["rollout.partial_every_s=0"]
@@ -92,9 +99,10 @@ def _inject(fault: str, run_dir: Path, proc: subprocess.Popen) -> None:
     if fault == "kill":
         pid = json.loads((run_dir / "actors.json").read_text())["rollout"]["1"]
         os.kill(pid, signal.SIGKILL)
-    elif fault == "scale":
-        subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", "1"],
-                       cwd=REPO, check=True, timeout=60)
+    elif fault == "scale":  # the request `async-dapo scale RUN_DIR --engines 1` writes, without the CLI's start
+        from async_dapo.checkpoint.run_dir import RunDir, write_scale_request
+
+        write_scale_request(RunDir(run_dir), {"engines": 1, "asked_at": time.time()})
     else:
         os.kill(proc.pid, signal.SIGTERM)
 
@@ -105,6 +113,9 @@ def run_fault(args, fault: str, carry: bool) -> dict:
     run_dir = args.out / f"{fault}-{'after' if carry else 'before'}"
     sets = _sets(args, run_dir, carry, args.steps) + ["checkpoint.every_steps=1", "checkpoint.keep_last=1000",
                                                       "logging.record_batches=true"]
+    if finished(run_dir, args.steps):  # made by an earlier invocation (--out): measured again, not run again
+        rows = step_records(records(run_dir))
+        return {"run_dir": run_dir, "last": rows[-1], "at_fault": rows[args.fault_step - 1]}
     proc = _start(cli_command("train", CONFIG, sets), run_dir.parent / f"{run_dir.name}.log")
     try:
         _wait_step(run_dir, proc, args.fault_step, args.timeout)
@@ -186,15 +197,17 @@ def check_logprobs(run_dir: Path, first: int, last: int) -> dict:
             diff[at] = np.abs(ref - s.logprobs)[at]
     worst_token = max((float(d.max()) for d in diffs if d.size), default=0.0)
     worst_mean = max((float(d.mean()) for d in diffs if d.size), default=0.0)
-    return {"checked_samples": len(samples), "multi_version": sum(len(np.unique(s.versions)) > 1 for _, s in samples),
+    return {"checked_samples": len(samples),
+            "multi_version": sum(int(len(np.unique(s.versions)) > 1) for _, s in samples),
             "worst_token": worst_token, "worst_mean": worst_mean,
-            "over_bounds": sum(bool(d.size) and (d.max() >= TOL or d.mean() >= MEAN_TOL) for d in diffs)}
+            "over_bounds": sum(int(d.size > 0 and (d.max() >= TOL or d.mean() >= MEAN_TOL)) for d in diffs)}
 
 
 def overhead(args) -> list[dict]:
     """Steps/s without progress reports and with them, no fault, one run each."""
     rows = []
-    for label, carry in (("off", None), ("on", True)):
+    arms = {"off": None, "on": True}
+    for label, carry in ((a, arms[a]) for a in args.overhead_order):
         run_dir = args.out / f"overhead-{label}"
         sets = _sets(args, run_dir, carry, args.overhead_steps)
         proc = _start(cli_command("train", CONFIG, sets), args.out / f"overhead-{label}.log")
@@ -211,7 +224,8 @@ def overhead(args) -> list[dict]:
                      "gen_tokens_per_s": statistics.fmean(r["perf/gen_tokens_per_s"] for r in steps[args.warmup:]),
                      "partials_received": int(steps[-1].get("replay/partials_received", 0)),
                      "continued_tokens": int(steps[-1].get("rollout/continued_tokens", 0))})
-    rows[1]["ratio"] = rows[1]["steps_per_s"] / rows[0]["steps_per_s"]
+    on, off = (next(r for r in rows if r["reports"] == a) for a in ("on", "off"))
+    on["ratio"] = on["steps_per_s"] / off["steps_per_s"]
     return rows
 
 
@@ -227,8 +241,12 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=2.0, help="seconds after that step: mid-generation")
     ap.add_argument("--overhead-steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=4, help="overhead: steps left out of steps/s")
+    ap.add_argument("--overhead-order", nargs=2, default=["off", "on"], choices=["off", "on"],
+                    help="overhead: which run goes first (a second invocation in the other order shows the drift)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     args = ap.parse_args()
+    if sorted(args.overhead_order) != ["off", "on"]:
+        ap.error("--overhead-order: each of off and on once")
     args.out = args.out.resolve()
     results = []
     for fault in [f for f in args.faults if f != "overhead"]:
