@@ -20,6 +20,7 @@ import torch
 Device = Literal["cpu", "cuda"]
 
 SHIM_DIR = Path(__file__).parent / "cpu_shim"
+CPU_MODELS_PACKAGE = "sglang_cpu_models"  # in SHIM_DIR
 # If set, the stand-in appends one line per attempted kernel call to this file, so tests can prove that
 # no stand-in function was ever called (a call also raises NotImplementedError).
 SHIM_LOG_ENV = "ASYNC_DAPO_SGL_KERNEL_SHIM_LOG"
@@ -114,9 +115,12 @@ def _without_shim(pythonpath: str) -> str:
 def sglang_process_env(device: Device) -> dict[str, str]:
     """Environment variables an SGLang engine process needs on ``device`` (empty on CUDA).
 
-    On CPU with no loadable kernel package: ``SGLANG_USE_CPU_ENGINE=1`` and the stand-in ``sgl_kernel``
-    directory first on PYTHONPATH (SGLang's scheduler subprocesses inherit both). Nothing in
-    site-packages is touched.
+    On CPU with no loadable kernel package: ``SGLANG_USE_CPU_ENGINE=1`` and the stand-in directory first on
+    PYTHONPATH (SGLang's scheduler subprocesses inherit both): the stand-in ``sgl_kernel``, a ``flashinfer``
+    that refuses to import (SGLang falls back without it) and, unless the user names their own,
+    ``SGLANG_EXTERNAL_MODEL_PACKAGE`` = the package registering SGLang's Qwen2/Qwen3 classes, SGLang's fast
+    start path (it skips importing every architecture; any other one still resolves). The last two only
+    shorten an engine's start (cpu_shim's docstrings). Nothing in site-packages is touched.
     """
     if device != "cpu" or real_sgl_kernel_loads():
         return {}
@@ -124,6 +128,7 @@ def sglang_process_env(device: Device) -> dict[str, str]:
     return {
         "SGLANG_USE_CPU_ENGINE": "1",
         "PYTHONPATH": os.pathsep.join([str(SHIM_DIR)] + ([rest] if rest else [])),
+        "SGLANG_EXTERNAL_MODEL_PACKAGE": os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE") or CPU_MODELS_PACKAGE,
     }
 
 
