@@ -238,7 +238,10 @@ if __name__ == "__main__":
                                {"temperature": 1.0, "max_new_tokens": 12, "top_p": 1.0})
     finally:
         worker.shutdown()
+    from sglang.srt.models.registry import import_model_classes
+    registered = import_model_classes(os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"], strict=True)
     print(json.dumps({"cpu_engine": os.environ.get("SGLANG_USE_CPU_ENGINE"), "flashinfer": "flashinfer" in sys.modules,
+                      "registered": {k: f"{v.__module__}.{v.__name__}" for k, v in registered.items()},
                       "outs": [{"output_ids": o["output_ids"],
                                 "logprobs": [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]} for o in outs]}))
 """
@@ -248,8 +251,8 @@ def _fresh_engine_loads_the_export_and_matches_transformers(cfg, export, trained
     """The HF export loads in a fresh SGLang CPU engine, and its token logprobs (4 samples of 6 prompts at
     temperature 1) match a transformers forward pass of the same fp32 weights within 2e-4 per token (the
     bound anchors.md records: kernel order only; measured ~1e-6, ~100x below the importance correction's
-    log-ratio caps); the CPU path was taken, flashinfer was never loaded and no stand-in kernel of the
-    shim was ever called."""
+    log-ratio caps); the CPU path was taken, flashinfer was never loaded, the classes registered for SGLang's
+    fast start are its own, and no stand-in kernel of the shim was ever called."""
     import json
     import subprocess
     import sys
@@ -272,6 +275,8 @@ def _fresh_engine_loads_the_export_and_matches_transformers(cfg, export, trained
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["cpu_engine"] == "1"  # the CPU path really was taken
     assert result["flashinfer"] is False  # hidden by the shim: SGLang took its own fallback (device.py)
+    assert result["registered"] == {"Qwen2ForCausalLM": "sglang.srt.models.qwen2.Qwen2ForCausalLM",
+                                    "Qwen3ForCausalLM": "sglang.srt.models.qwen3.Qwen3ForCausalLM"}  # SGLang's own
     assert not shim_log.exists(), f"stand-in kernels were called: {shim_log.read_text()}"
     outs, worst, distinct = result["outs"], 0.0, set()
     assert len(outs) == 4 * len(prompts)

@@ -19,22 +19,14 @@ def test_cpu_env_puts_stand_in_first_when_real_kernel_cannot_load(monkeypatch):
     assert device.sglang_process_env("cpu")["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "users_models"
 
 
-def test_the_cpu_path_hides_flashinfer_and_registers_sglangs_own_dense_classes():
-    """On the stand-in path ``import flashinfer`` fails as if it were not installed (SGLang's fallback), and
-    the registered classes are SGLang's Qwen2/Qwen3 ones, under their architecture names."""
-    code = ("import sys\n"
-            "try:\n    import flashinfer\nexcept ImportError as e:\n    print('hidden:', e)\n"
-            "from sglang.srt.models.registry import import_model_classes\n"
-            "import sglang.srt.models.qwen2 as q2, sglang.srt.models.qwen3 as q3\n"
-            "got = import_model_classes('sglang_cpu_models', strict=True)\n"
-            "print(sorted(got), got['Qwen2ForCausalLM'] is q2.Qwen2ForCausalLM,\n"
-            "      got['Qwen3ForCausalLM'] is q3.Qwen3ForCausalLM)\n")
-    env = {**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(device.SHIM_DIR)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()
-    assert lines[0] == "hidden: flashinfer is CUDA-only: hidden from SGLang's CPU engine by async_dapo/cpu_shim"
-    assert lines[-1] == "['Qwen2ForCausalLM', 'Qwen3ForCausalLM'] True True"
+def test_the_cpu_path_hides_flashinfer():
+    """On the stand-in path ``import flashinfer`` fails as if it were not installed, so SGLang takes its own
+    fallback (the engine's start and what it registers: test_learner's fresh engine)."""
+    code = "try:\n    import flashinfer\nexcept ImportError as e:\n    print('hidden:', e)\n"
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(device.SHIM_DIR)},
+                         capture_output=True, text=True, timeout=60)
+    hidden = "hidden: flashinfer is CUDA-only: hidden from SGLang's CPU engine by async_dapo/cpu_shim"
+    assert out.stdout.strip() == hidden, out.stderr[-2000:]
 
 
 def test_nothing_on_cuda_or_with_a_working_kernel(monkeypatch):
