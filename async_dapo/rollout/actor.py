@@ -228,13 +228,6 @@ def _progress_of(slot: _Slot, now: tuple[int, int] | None) -> tuple[list[int], l
     return slot.known
 
 
-def _forget_unkept(slot: _Slot | None, prefix: Prefix | None) -> None:
-    """An aborted request's tokens that are not kept (counted as aborted) leave its slot's reports at once: a
-    report sent before the sample is drawn again must not carry them to another engine as well."""
-    if slot is not None and prefix is None:
-        slot.begin(None, slot.start, None)
-
-
 def fit_prompt(cfg: Config, prompt: list[int], index: int) -> list[int]:
     """Prompt ``index``'s token ids as sent to the engine. data.truncation 'left' keeps the last
     max_prompt_length tokens; 'error' rows were rejected at load, so a longer prompt here means the rows
@@ -388,8 +381,7 @@ class EngineSession:
             slot = slots[i] if slots else None
             if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
                 ours = updates != self.updates_started
-                prefix = self._after_abort(out, start_version, seconds, ours, None)
-                _forget_unkept(slot, prefix)
+                prefix = self._after_abort(out, start_version, seconds, ours, None, slot)
                 redraw.append((i, self.sample_once(prompt_ids, params, int(not ours), prefix, slot)))
             else:
                 out["_start_version"], out["_seconds"] = start_version, seconds
@@ -422,8 +414,7 @@ class EngineSession:
                 out["_start_version"], out["_seconds"] = start_version, seconds
                 return self._finish(slot, out, None)
             ours = updates != self.updates_started
-            prefix = self._after_abort(out, start_version, seconds, ours, prefix)
-            _forget_unkept(slot, prefix)
+            prefix = self._after_abort(out, start_version, seconds, ours, prefix, slot)
             if not ours:
                 foreign_aborts += 1
                 if foreign_aborts > self.cfg.rollout.max_abort_retries:
@@ -441,12 +432,20 @@ class EngineSession:
         return out
 
     def _after_abort(self, out: dict[str, Any], start_version: int, seconds: float, ours: bool,
-                     prefix: Prefix | None) -> Prefix | None:
+                     prefix: Prefix | None, slot: _Slot | None) -> Prefix | None:
         """What is kept of an aborted request: when our updates keep aborted work (``rollout.partial_rollout``,
         or an in-flight update with progress reports), an abort by our own update extends the prefix it
         continued from (None before: a new one), and an abort we did not cause keeps that prefix as it was;
         otherwise nothing is kept and the sample is drawn again from scratch. The tokens not kept are counted
-        as aborted (never trained)."""
+        as aborted (never trained), and ``slot``'s reports hold what is kept from now on: a report sent before
+        the sample is drawn again must not carry the aborted tokens to another engine as well."""
+        kept = self._kept_after_abort(out, start_version, seconds, ours, prefix)
+        if slot is not None:
+            slot.begin(None, slot.start, kept)
+        return kept
+
+    def _kept_after_abort(self, out: dict[str, Any], start_version: int, seconds: float, ours: bool,
+                          prefix: Prefix | None) -> Prefix | None:
         self.stats.resampled += 1
         new = len(out.get("output_ids") or ())
         if self.keep_aborted:

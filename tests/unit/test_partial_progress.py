@@ -308,28 +308,34 @@ def test_carried_tokens_past_the_staleness_bound_are_dropped_and_counted(finish)
     assert (s.stats.carried_tokens, s.stats.carried_stale_tokens, s.stats.aborted_tokens) == (0, 2, 0)
 
 
-def test_tokens_an_abort_throws_away_leave_the_reports_at_once():
-    """Without rollout.partial_rollout an aborted request's tokens are counted as aborted; a report sent before
-    the sample is drawn again (or, here, after the group failed) must not carry them to another engine too."""
+@pytest.mark.parametrize("kept", [False, True])
+def test_tokens_an_abort_throws_away_leave_the_reports_at_once(kept):
+    """An aborted request's tokens that are not kept are counted as aborted; a report sent before the sample is
+    drawn again (or, here, after the group failed) must not carry them to another engine too. Not kept: every
+    token without rollout.partial_rollout. Kept (partial_rollout): an abort the engine made on its own keeps
+    the prefix the request continued ([5, 6]) and only that: the request's own token (7) is aborted."""
     slot = _Slot()
+    prefix = Prefix([5, 6], [-0.1, -0.2], np.array([0, 0], np.int32), 1.0) if kept else None
 
     class ReadMidway(ScriptTM):
         def generate_request(self, obj, request):
             outputs = super().generate_request(obj, request)
 
-            async def gen():
-                slot.known = ([5], [-0.1], np.zeros(1, np.int32), "", 0.0)  # a report read its first token
+            async def gen():  # a report read the request's first token
+                slot.known = ([5, 6, 7], [-0.1, -0.2, -0.3], np.zeros(3, np.int32), "", 0.0) if kept else \
+                    ([5], [-0.1], np.zeros(1, np.int32), "", 0.0)
                 async for out in outputs:
                     yield out
 
             return gen()
 
-    s = _session([], "rollout.max_abort_retries=0")
-    s.tm = ReadMidway([("abort", [5, 6], [-0.1, -0.2])])
+    s = _session([], "rollout.max_abort_retries=0", "rollout.update_mode=abort",
+                 f"rollout.partial_rollout={str(kept).lower()}")
+    s.tm = ReadMidway([("abort", [7], [-0.3])] if kept else [("abort", [5, 6], [-0.1, -0.2])])
     with pytest.raises(GroupFailed):
-        asyncio.run(s.sample_once(PROMPT, {"max_new_tokens": 8}, slot=slot))
-    assert s.stats.aborted_tokens == 2
-    assert _progress_of(slot, (0, 0))[0] == []
+        asyncio.run(s.sample_once(PROMPT, {"max_new_tokens": 8}, prefix=prefix, slot=slot))
+    assert s.stats.aborted_tokens == (1 + 2 if kept else 2)  # (kept: the prefix is lost with the failed group)
+    assert _progress_of(slot, (0, 0))[0] == ([5, 6] if kept else [])
 
 
 def test_a_carried_report_of_another_group_size_is_drawn_afresh_and_counted():
