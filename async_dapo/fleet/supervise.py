@@ -571,8 +571,9 @@ class EngineSupervisor:
             else:
                 handles.append(self._remove(rank, "scaled_down", graceful=True))
             self.failed_at.pop(rank, None)
-            self.placed.remove_engine_group(rank)
         self._shut_down(handles)
+        for rank in gone:  # after the shutdown: Ray ends the actors of a removed placement group at once
+            self.placed.remove_engine_group(rank)
 
     def _shut_down(self, handles: list) -> None:
         """Shut removed engines down all at once, bounded by placement.health_check_timeout_s, then end

@@ -62,6 +62,7 @@ class Placed:
         self.start_fails: dict[int, str] = {}  # rank -> why its start_rollouts fails
         self.replay = type("Q", (), {"release_engine": _Method(lambda rank, why: self._did("release", rank, why))})()
         self.spawned: dict[int, Engine] = {}
+        self.calls_before_removal: dict[int, list | None] = {}  # rank -> its actor's calls when its group went
 
     def _did(self, *what):
         self.log.append(what)
@@ -102,6 +103,7 @@ class Placed:
     def remove_engine_group(self, rank):
         self.engine_pgs.pop(rank, None)
         self.log.append(("pg_removed", rank))
+        self.calls_before_removal[rank] = list(self.spawned[rank].calls) if rank in self.spawned else None
 
 
 class Killed(list):
@@ -303,6 +305,8 @@ def test_scale_requests_add_then_remove_the_newest_engines(fake_ray, monkeypatch
     assert sup.starting == {} and list(placed.engines) == [0]
     assert ("pg_removed", 2) in placed.log and ("pg_removed", 1) in placed.log
     assert ("release", 1, "scaled_down") in placed.log and placed.spawned[1].calls[-1] == "shutdown"
+    # Ray ends the actors of a removed placement group: the graceful shutdown was asked for before that
+    assert placed.calls_before_removal[1][-1] == "shutdown"
     assert placed.log[-1] == ("group", [0]) and pushes[-1] == (5, [0])
 
 
