@@ -2,11 +2,11 @@
 outcome the user relies on (docs/reliability.md); engines killed or hung while a fleet trains are
 test_fleet_e2e's:
 
-* a fraction of groups failing in the reward function at eta = 0: each is abandoned, counted and its prompt
-  re-issued, and the run (which would deadlock if one slot leaked) trains all its steps;
-* a learner rank SIGKILLed: the run exits 1 within a bound, naming the rank and the last checkpoint;
-  ``--resume`` trains the remaining steps, with exactly one metrics row per step and no prompt trained
-  twice in an epoch.
+* at eta = 0, a fraction of groups failing in the reward function (each abandoned, counted and its prompt
+  re-issued: the run, which would deadlock if one slot leaked, trains every step), then a learner rank
+  SIGKILLed: the run exits 1 within a bound, naming the rank and the last checkpoint; ``--resume`` trains
+  the remaining steps, with exactly one metrics row per step and no prompt trained twice in an epoch;
+* silence: no group ever reaches the queue, and the run stops naming what it waited for.
 """
 
 import json
@@ -69,28 +69,16 @@ def _end(proc) -> None:
         proc.wait(timeout=120)
 
 
-def test_failing_groups_at_eta_0_are_abandoned_counted_and_the_run_finishes(tiny_model, tmp_path):
+def test_failing_groups_and_a_killed_learner_at_eta_0_then_resume_finishes(tiny_model, tmp_path):
+    """At eta = 0, where a single leaked slot would deadlock the run, with ~34 % of the groups failing in the
+    reward function (each abandoned, counted and its prompt re-issued): learner rank 0 is SIGKILLed after
+    step 5, and the run exits 1 within a bound, naming the rank and the last checkpoint; ``--resume`` trains
+    the remaining steps, with exactly one metrics row per step and no prompt trained twice in an epoch."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     flaky = REPO / "tests" / "faults" / "flaky_reward.py"
-    cmd = _cmd(run_dir, "--set", "learner.total_steps=5", "--set", "replay.max_staleness=0",
-               "--set", f"reward.function={flaky}:score")
-    done = subprocess.run(cmd, cwd=REPO, timeout=900, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = _train_rows(run_dir)
-    assert [m["train/version"] for m in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
-    last = rows[-1]
-    print(f"\nabandoned {last['replay/abandoned']:.0f} groups (score_error), received {last['replay/received']:.0f}")
-    assert last["replay/abandoned/score_error"] >= 5  # ~34% of groups fail; each counted by reason
-    assert last["replay/abandoned"] == last["replay/abandoned/score_error"]
-    assert all(m["staleness/max"] == 0 for m in rows)  # still synchronous
-    _assert_prompts_trained_once(run_dir)
-
-
-def test_killed_learner_stops_the_run_naming_it_and_resume_finishes(tiny_model, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = _cmd(run_dir, "--set", "learner.total_steps=10", "--set", "checkpoint.every_steps=2",
-               "--set", "checkpoint.keep_last=10")
-    proc = _start(cmd, log)
+    sets = ["--set", "learner.total_steps=10", "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=10",
+            "--set", "replay.max_staleness=0", "--set", f"reward.function={flaky}:score"]
+    proc = _start(_cmd(run_dir, *sets), log)
     try:
         _wait(lambda: len(_train_rows(run_dir)) >= 5, proc, 600, "step 5")
         os.kill(_actors(run_dir)["learner"]["0"], signal.SIGKILL)
@@ -106,20 +94,32 @@ def test_killed_learner_stops_the_run_naming_it_and_resume_finishes(tiny_model, 
     assert ckpt_step >= 4 and ckpt_step % 2 == 0
     print(f"\nlearner SIGKILL -> run exited 1: {noticed_s:.1f} s; {lines[0]}")
     assert noticed_s < 120  # a dead learner ends the run in bounded time (process exit included)
+    _assert_failed_groups_counted(_train_rows(run_dir))
 
     # What the checkpoint kept of the work not trained yet (groups queued, the batch of the step the dead
     # learner did not finish): the resumed run reads every report of it back.
     kept = len(msgpack.unpackb((run_dir / "checkpoints" / f"step_{ckpt_step}" / "partials.bin").read_bytes()))
-    resumed = subprocess.run(_cmd(run_dir, "--resume", str(run_dir), "--set", "learner.total_steps=10",
-                                  "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=10"),
-                             cwd=REPO, timeout=900, capture_output=True, text=True)
+    resumed = subprocess.run(_cmd(run_dir, "--resume", str(run_dir), *sets), cwd=REPO, timeout=900,
+                             capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    steps = [m["step"] for m in _train_rows(run_dir)]
-    assert steps == list(range(1, 11))  # exactly one metrics row per step across kill + resume
+    rows = _train_rows(run_dir)
+    assert [m["step"] for m in rows] == list(range(1, 11))  # exactly one metrics row per step across kill + resume
     _assert_prompts_trained_once(run_dir)
+    _assert_failed_groups_counted(rows)
     print(f"the checkpoint of step {ckpt_step} kept {kept} groups' work; the resumed run handed out "
-          f"{_train_rows(run_dir)[-1]['replay/partial_tokens_handed_out']:.0f} of its tokens")
-    assert _train_rows(run_dir)[-1]["replay/partials_restored"] == kept
+          f"{rows[-1]['replay/partial_tokens_handed_out']:.0f} of its tokens")
+    assert rows[-1]["replay/partials_restored"] == kept
+
+
+def _assert_failed_groups_counted(rows: list[dict]) -> None:
+    """Every step synchronous, and the groups the reward function failed abandoned under their reason (the
+    run trained every step regardless: no slot leaked)."""
+    last = rows[-1]
+    print(f"abandoned {last['replay/abandoned']:.0f} groups (score_error) of {last['replay/received']:.0f} received "
+          f"by the queue of the run that logged step {last['step']}")
+    assert last["replay/abandoned/score_error"] >= 5  # ~34% of groups fail; each counted by reason
+    assert last["replay/abandoned"] == last["replay/abandoned/score_error"]
+    assert all(m["staleness/max"] == 0 for m in rows)  # still synchronous
 
 
 def _assert_prompts_trained_once(run_dir: Path) -> None:

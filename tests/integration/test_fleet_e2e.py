@@ -1,15 +1,16 @@
-"""Several engines through the real stack (SGLang CPU engines, Ray, zmq, FSDP2/gloo), each test asserting what
-a user of a fleet relies on (docs/reliability.md, docs/results/fleet_and_control_plane.md):
+"""Several engines through the real stack (SGLang CPU engines, Ray, zmq, FSDP2/gloo), asserting what a user
+of a fleet relies on (docs/reliability.md, docs/results/fleet_and_control_plane.md), in one run at the
+config's default timeouts (one stack start for every fleet change):
 
-* at the config's default timeouts, one of two engines hung inside a push, then its replacement hung before
-  it joined: each is named and replaced, and the learner's longest step stays within
-  placement.health_check_timeout_s + its median step;
-* 1 -> 2 engines with ``async-dapo scale``, the added engine SIGKILLed and replaced, then 2 -> 1, in one run:
-  the added engine serves live weights; after the kill the other keeps generating and the learner keeps
-  training while the replacement starts in the background (the learner's longest wait for data during the
-  replacement asserted against the replacement's own duration, measured in the same run); the removed
-  engine's prompts are released, and every admitted prompt is accounted for; the progress the leaving engines
-  had reported (``rollout.partial_every_s``) goes with their prompts to the engine that takes them next.
+* 1 -> 2 engines with ``async-dapo scale``: the added engine serves live weights;
+* the added engine SIGKILLed: the other keeps generating and the learner keeps training while the replacement
+  starts in the background (the learner's longest wait for data during the replacement asserted against the
+  replacement's own duration, measured in the same run);
+* the replacement hung inside a push, then its own replacement hung before it joined: each is named and
+  replaced, and the learner's longest step stays within placement.health_check_timeout_s + its median step;
+* 2 -> 1: the removed engine's prompts are released, and every admitted prompt is accounted for; the progress
+  the leaving engines had reported (``rollout.partial_every_s``) goes with their prompts to the engine that
+  takes them next.
 
 On this 2-core machine 2 engines take ``placement.engine_cpus=0.5`` each.
 """
@@ -141,66 +142,129 @@ def _first_event(run_dir: Path, event: str, proc, timeout: float, after: float =
     return found[0]
 
 
-CAP = 5000  # learner.total_steps: far beyond what each test needs; it ends its run with `async-dapo stop`
-DEFAULT_HC = 30.0  # placement.health_check_timeout_s's default: this test leaves every timeout at its default
+CAP = 5000  # learner.total_steps: far beyond what the test needs; it ends its run with `async-dapo stop`
+DEFAULT_HC = 30.0  # placement.health_check_timeout_s's default: the run leaves every timeout at its default
+DEFAULT_HC_INTERVAL = 10.0  # placement.health_check_interval_s's default
 
 
-def test_hangs_in_a_push_and_before_a_join_cost_the_learner_one_detection_each(tiny_model, tmp_path):
-    """The config's default timeouts, 2 engines:
+def test_a_fleet_scales_and_each_engine_fault_costs_the_learner_one_detection(tiny_model, tmp_path):
+    """One run at the config's default timeouts, 1 engine (placement.max_engines=2), every fleet change a user
+    meets, one after another (one stack start for all of them):
 
-    1. engine 1's SGLang processes are SIGSTOPped at step 5: the next push hangs on it, where a heartbeat
-       cannot judge it (loading weights is silent). The push is watched: past its bound, engine 1 is named by
-       its stopped processes and taken out; engine 0 keeps the weights and the learner trains on its groups;
-    2. the moment the replacement's engine is up (fleet.jsonl's "up", before it joined the weight group) its
-       processes are SIGSTOPped too: a second failure while the first replacement joins. Its first
-       heartbeat, the group's formation or the regroup's push names it, and it is replaced again without
-       ever serving, while engine 0 serves;
-    3. the second replacement joins; the run trains every step.
+    1. ``async-dapo scale --engines 3`` is refused naming placement.max_engines; ``--engines 2`` adds an engine
+       that joins, loads the live weights and serves;
+    2. once it has served 4 steps, its rollout actor is SIGKILLed: noticed by the next heartbeat; the
+       replacement starts in the background and the learner trains on the survivor's groups until it serves
+       (the learner's longest wait for data meanwhile asserted against the replacement's own duration);
+    3. once the replacement's groups are trained, its SGLang processes are SIGSTOPped: the next push hangs on
+       it, where a heartbeat cannot judge it (loading weights is silent). The push is watched: past its bound,
+       engine 1 is named by its stopped processes and taken out; engine 0 keeps the weights and serves;
+    4. the moment the next replacement's engine is up (fleet.jsonl's "up", before it joined the weight group)
+       its processes are SIGSTOPped too: a second failure while the first replacement joins. Its first
+       heartbeat names it, and it is replaced again without ever serving (the third and last restart the
+       default placement.max_engine_restarts allows);
+    5. once the second replacement's groups are trained, ``--engines 1`` removes it: its in-flight prompts are
+       released with what it had reported of them (``rollout.partial_every_s``), and every admitted prompt is
+       accounted for.
 
     The learner's longest step over the whole run is asserted against health_check_timeout_s + the run's
     median step."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     cmd = [sys.executable, "-m", "async_dapo.cli", "train", "--config", str(CPU_CONFIG),
-           "--set", f"logging.run_dir={run_dir}", *SMALL, *TWO_ENGINES, "--set", f"learner.total_steps={CAP}"]
+           "--set", f"logging.run_dir={run_dir}", *SMALL, "--set", "placement.max_engines=2",
+           "--set", "placement.engine_cpus=0.5", "--set", f"learner.total_steps={CAP}",
+           "--set", "rollout.partial_every_s=0.2", "--set", "rollout.partial_every_tokens=2"]
     proc = _start(cmd, log)
     stopped: list[int] = []
     try:
-        _wait(lambda: len(_train_rows(run_dir)) >= 5, proc, 600, "step 5")
-        stopped += _sigstop(_actors(run_dir)["rollout"]["1"])
+        added = _scale_up(run_dir, proc)
+        t_kill, replaced = _kill_engine_1(run_dir, proc, added)
+        stopped += _sigstop(_actors(run_dir)["rollout"]["1"])  # its groups were trained: it is serving
         t_stop = time.time()
-        up = _first_event(run_dir, "up", proc, 600)
+        up = _first_event(run_dir, "up", proc, 600, after=t_stop)
         stopped += _sigstop(up["pid"])  # before it joined: it must never serve
         t_stop2 = time.time()
-        joined = _first_event(run_dir, "joined", proc, 600)
-        _wait(lambda: any(m.get("rollout/1/batch_share", 0.0) > 0 for m in _train_rows(run_dir)
-                          if m["time"] > joined["time"]), proc, 200, "a step with the second replacement's groups")
+        joined = _first_event(run_dir, "joined", proc, 600, after=up["time"])
+        _wait_for_groups_of(run_dir, proc, joined)
+        _scale(run_dir, 1)
+        removed = _first_event(run_dir, "removed", proc, 200, after=joined["time"])
+        removed_at = len(_train_rows(run_dir))
+        _wait(lambda: len(_train_rows(run_dir)) >= removed_at + 3, proc, 200, "3 steps after the scale-down")
         steps = _stop_and_finish(run_dir, proc, log)
     finally:
         _end(proc)
-    rows, events = _train_rows(run_dir), _events(run_dir)
+    rows, text = _train_rows(run_dir), log.read_text()
     assert [m["train/version"] for m in rows] == [float(v) for v in range(1, steps + 1)]
     times = [m["perf/time_per_step"] for m in rows]
     median, longest = statistics.median(times), max(times)
-    first = next(e for e in events if e["event"] == "failed")
-    second = next(e for e in events if e["event"] in ("failed", "start_failed") and e["time"] > up["time"])
-    print(f"\npush hang: taken out {first['time'] - t_stop:.1f} s after the SIGSTOP ({first['reason']}); "
-          f"hang before joining: {second['event']} {second['time'] - t_stop2:.1f} s after the SIGSTOP "
-          f"({second['reason']}); second replacement serving {joined['time'] - second['time']:.1f} s later "
-          f"(step {sum(m['time'] <= joined['time'] for m in rows)} of {steps}); "
-          f"learner's longest step {longest:.2f} s (step {times.index(longest) + 1}), median {median:.2f} s, "
-          f"bound {DEFAULT_HC:.0f} + {median:.2f} s; regroups (wait, form, push): "
-          f"{[(round(e['wait_push_s'], 2), round(e['group_s'], 2), round(e['push_s'], 2)) for e in events if e['event'] == 'regrouped']}")
-    assert first["rank"] == 1 and "hung inside the push of weight version" in first["reason"], first
-    assert second["rank"] == 1 and "hung" in second["reason"], second
-    assert [e["rank"] for e in events if e["event"] == "joined"] == [1] and joined["time"] > second["time"]
+    print(f"\nlearner's longest step {longest:.2f} s (step {times.index(longest) + 1} of {steps}), median "
+          f"{median:.2f} s, bound {DEFAULT_HC:.0f} + {median:.2f} s")
     assert longest <= DEFAULT_HC + median, [round(t, 2) for t in times]
-    _, during, _ = _covered(rows, t_stop, first, joined)
-    _assert_survivor_covered(during, joined["time"] - first["time"])
-    assert rows[-1]["rollout/engine_restarts"] == 2.0 and rows[-1]["rollout/engines"] == 2.0
-    assert any(m.get("rollout/1/batch_share", 0.0) > 0 for m in rows if m["time"] > joined["time"])  # it serves
+    _assert_scaled_up(rows, added)
+    _assert_killed_engine_replaced(run_dir, rows, text, t_kill, replaced)
+    _assert_hangs_replaced(run_dir, rows, (t_stop, t_stop2), up, joined)
+    assert [e["rank"] for e in _events(run_dir, "joined")] == [1, 1, 1]  # added, and two replacements
     assert not [p for p in stopped if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert removed["rank"] == 1 and removed["reason"] == "scaled_down"
+    assert "shutdown of removed engines" not in text  # its graceful shutdown answered before it was ended
+    assert all(m["rollout/engines"] == 1.0 for m in rows[removed_at + 1:])
+    last = rows[-1]
+    assert last.get("replay/abandoned/scaled_down", 0.0) == removed["released_prompts"]
+    assert last["rollout/engine_restarts"] == 3.0  # the kill's and both hangs' replacements: a scale is not one
+    assert "1" not in _actors(run_dir)["rollout"]  # gone from the fleet, and its placement group with it
+    print(f"removed at step {removed_at} of {steps} with {removed['released_prompts']} in-flight prompts released")
     _assert_every_prompt_accounted(run_dir, steps, 16)
     _assert_prompts_trained_once(run_dir)
+    _assert_reports_carried(last)
+
+
+def _scale_up(run_dir: Path, proc) -> dict:
+    """Step 1: the refused request, then 1 -> 2 engines; returns the added engine's "joined" event once it
+    has served 4 steps."""
+    _wait(lambda: len(_train_rows(run_dir)) >= 3, proc, 600, "step 3")
+    refused = subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", "3"],
+                             cwd=REPO, timeout=60, capture_output=True, text=True)
+    assert refused.returncode == 2 and "placement.max_engines (2)" in refused.stderr, refused.stderr
+    _scale(run_dir, 2)
+    added = _first_event(run_dir, "joined", proc, 600)
+    joined_at = len(_train_rows(run_dir))
+    _wait(lambda: len(_train_rows(run_dir)) >= joined_at + 4, proc, 400, "4 steps on two engines")
+    return added
+
+
+def _kill_engine_1(run_dir: Path, proc, added: dict) -> tuple[float, dict]:
+    """Step 2: SIGKILL of engine 1's rollout actor; returns the kill's time and its replacement's "joined"
+    event once the replacement's groups were trained."""
+    os.kill(_actors(run_dir)["rollout"]["1"], signal.SIGKILL)
+    t_kill = time.time()
+    replaced = _first_event(run_dir, "joined", proc, 600, after=added["time"])
+    _wait_for_groups_of(run_dir, proc, replaced)
+    return t_kill, replaced
+
+
+def _wait_for_groups_of(run_dir: Path, proc, joined: dict) -> None:
+    _wait(lambda: any(m.get("rollout/1/batch_share", 0.0) > 0 for m in _train_rows(run_dir)
+                      if m["time"] > joined["time"]), proc, 200, "a step with the joined engine's groups")
+
+
+def _assert_hangs_replaced(run_dir: Path, rows: list[dict], stops: tuple[float, float], up: dict,
+                           joined: dict) -> None:
+    """Steps 3 and 4: the push hang is named by the push watch, the hang before joining by the joiner's first
+    heartbeat; engine 0 covered both replacements; the second replacement serves."""
+    t_stop, t_stop2 = stops
+    events = _events(run_dir)
+    first = next(e for e in events if e["event"] == "failed" and e["time"] > t_stop)
+    second = next(e for e in events if e["event"] in ("failed", "start_failed") and e["time"] > up["time"])
+    print(f"push hang: taken out {first['time'] - t_stop:.1f} s after the SIGSTOP ({first['reason']}); "
+          f"hang before joining: {second['event']} {second['time'] - t_stop2:.1f} s after the SIGSTOP "
+          f"({second['reason']}); second replacement serving {joined['time'] - second['time']:.1f} s later; "
+          f"regroups (wait, form, push): {[(round(e['wait_push_s'], 2), round(e['group_s'], 2), round(e['push_s'], 2)) for e in events if e['event'] == 'regrouped' and e['time'] > t_stop]}")
+    assert first["rank"] == 1 and "hung inside the push of weight version" in first["reason"], first
+    assert second["rank"] == 1 and "hung" in second["reason"], second
+    assert joined["rank"] == 1 and joined["time"] > second["time"], joined
+    _, during, _ = _covered(rows, t_stop, first, joined)
+    _assert_survivor_covered(during, joined["time"] - first["time"])
+    assert any(m.get("rollout/1/batch_share", 0.0) > 0 for m in rows if m["time"] > joined["time"])  # it serves
 
 
 def _stop_and_finish(run_dir: Path, proc, log: Path) -> int:
@@ -220,57 +284,6 @@ def _scale(run_dir: Path, engines: int) -> None:
     done = subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", str(engines)],
                           cwd=REPO, timeout=60, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-
-
-def test_engines_scale_and_one_is_killed_while_the_run_trains(tiny_model, tmp_path):
-    """One run, 1 engine (placement.max_engines=2):
-
-    1. ``async-dapo scale --engines 3`` is refused naming placement.max_engines; ``--engines 2`` adds an engine
-       that joins, loads the live weights and serves;
-    2. once it has served 4 steps, its rollout actor is SIGKILLed: noticed at the next heartbeat; the
-       replacement starts in the background and the learner trains on the survivor's groups until it serves
-       (the learner's longest wait for data meanwhile asserted against the replacement's own duration);
-    3. once the replacement's groups are trained, ``--engines 1`` removes it: its in-flight prompts are released and every admitted prompt is accounted
-       for."""
-    run_dir, log = tmp_path / "run", tmp_path / "run.log"
-    proc = _start(_cmd(run_dir, "--set", "placement.max_engines=2", "--set", "placement.engine_cpus=0.5",
-                       "--set", f"learner.total_steps={CAP}", "--set", "rollout.partial_every_s=0.2",
-                       "--set", "rollout.partial_every_tokens=2"), log)
-    try:
-        _wait(lambda: len(_train_rows(run_dir)) >= 3, proc, 600, "step 3")
-        refused = subprocess.run([sys.executable, "-m", "async_dapo.cli", "scale", str(run_dir), "--engines", "3"],
-                                 cwd=REPO, timeout=60, capture_output=True, text=True)
-        assert refused.returncode == 2 and "placement.max_engines (2)" in refused.stderr, refused.stderr
-        _scale(run_dir, 2)
-        added = _first_event(run_dir, "joined", proc, 600)
-        joined_at = len(_train_rows(run_dir))
-        _wait(lambda: len(_train_rows(run_dir)) >= joined_at + 4, proc, 400, "4 steps on two engines")
-        os.kill(_actors(run_dir)["rollout"]["1"], signal.SIGKILL)
-        t_fault = time.time()
-        replaced = _first_event(run_dir, "joined", proc, 600, after=added["time"])
-        _wait(lambda: any(m.get("rollout/1/batch_share", 0.0) > 0 for m in _train_rows(run_dir)
-                          if m["time"] > replaced["time"]), proc, 200, "a step with the replacement's groups")
-        _scale(run_dir, 1)
-        removed = _first_event(run_dir, "removed", proc, 200, after=replaced["time"])
-        removed_at = len(_train_rows(run_dir))
-        _wait(lambda: len(_train_rows(run_dir)) >= removed_at + 3, proc, 200, "3 steps after the scale-down")
-        steps = _stop_and_finish(run_dir, proc, log)
-    finally:
-        _end(proc)
-    rows, text = _train_rows(run_dir), log.read_text()
-    assert [m["train/version"] for m in rows] == [float(v) for v in range(1, steps + 1)]
-    _assert_scaled_up(rows, added)
-    _assert_killed_engine_replaced(run_dir, rows, text, t_fault, replaced)
-    assert removed["rank"] == 1 and removed["reason"] == "scaled_down"
-    assert all(m["rollout/engines"] == 1.0 for m in rows[removed_at + 1:])
-    last = rows[-1]
-    assert last.get("replay/abandoned/scaled_down", 0.0) == removed["released_prompts"]
-    assert last["rollout/engine_restarts"] == 1.0  # the kill's replacement only: a scale is not a restart
-    assert "1" not in _actors(run_dir)["rollout"]  # gone from the fleet, and its placement group with it
-    print(f"removed at step {removed_at} of {steps} with {removed['released_prompts']} in-flight prompts released")
-    _assert_every_prompt_accounted(run_dir, steps, 16)
-    _assert_prompts_trained_once(run_dir)
-    _assert_reports_carried(last)
 
 
 def _assert_reports_carried(last: dict) -> None:
@@ -302,9 +315,10 @@ def _assert_scaled_up(rows: list[dict], added: dict) -> None:
 
 
 def _assert_killed_engine_replaced(run_dir: Path, rows: list[dict], text: str, t_fault: float, joined: dict) -> None:
-    """SIGKILL of engine 1: noticed within 5 s with no step stalled longer; the survivor covered the
-    replacement's start; one group rebuild and one push per change; the replacement's groups are trained
-    and the dead engine's in-flight prompts went back to the cursor."""
+    """SIGKILL of engine 1: noticed by the next heartbeat (or sooner: the next push fails on it) with no step
+    stalled longer than 5 s; the survivor covered the replacement's start; one group rebuild and one push per
+    change; the replacement's groups are trained and the dead engine's in-flight prompts went back to the
+    cursor."""
     failed = _events(run_dir, "failed")[0]
     regroups = [e for e in _events(run_dir, "regrouped") if e["time"] > t_fault]
     assert failed["rank"] == joined["rank"] == 1 and joined["why"] == "replacement", (failed, joined)
@@ -316,7 +330,7 @@ def _assert_killed_engine_replaced(run_dir: Path, rows: list[dict], text: str, t
           f"(wait for the push in flight, form the group, push): "
           f"{[(round(r['wait_push_s'], 2), round(r['group_s'], 2), round(r['push_s'], 2)) for r in regroups]} s")
     _assert_survivor_covered(during, recovery_s)
-    assert detect_s < 5 and detect_stall <= 5, (detect_s, detect_stall)  # a dead engine: at the next heartbeat
+    assert detect_s < DEFAULT_HC_INTERVAL + 5 and detect_stall <= 5, (detect_s, detect_stall)
     # The survivor's cost of each change is one group rebuild and one push, not a restart.
     assert len(regroups) >= 2 and all(r["seconds"] < 10 for r in regroups[:2]), regroups
     assert regroups[0]["engines"] == [0] and regroups[1]["engines"] == [0, 1] and regroups[1]["joined"] == [1]

@@ -48,7 +48,7 @@ def _steps(run_dir: Path) -> list[dict]:
 
 def test_async_run_end_to_end(tiny_model, tmp_path):
     """eta 1 with 2 engines and 2 learner ranks, to the last step: versions advance, every trained group is
-    within eta and the run really overlapped; a long validation (600 distinct problems x 32 samples, shared
+    within eta and the run really overlapped; a long validation (600 distinct problems x 16 samples, shared
     by both engines) runs off the critical path; every engine produced trained groups in its share, every
     engine runs every pushed version; every admitted prompt is accounted for; TensorBoard has verl's tags."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -58,10 +58,11 @@ def test_async_run_end_to_end(tiny_model, tmp_path):
     from tests.integration.test_faults_e2e import _assert_prompts_trained_once
 
     run_dir = tmp_path / "run"
-    # A validation of 600 distinct problems x 32 samples (many steps' worth of generation) at steps 0, 3, 6:
-    # the learner must not wait for it. (With 8 samples a validation sometimes ended within one step.)
+    # A validation of 600 distinct problems x 16 samples (many steps' worth of generation: ~13 s here, a step
+    # ~1 s) at steps 0, 3, 6: the learner must not wait for it. (With 8 samples a validation sometimes ended
+    # within one step; 32 took ~25 s, a minute of the suite for the three.)
     subprocess.run(_train_cmd(run_dir, "--set", "learner.total_steps=6", "--set", "logging.val_every_steps=3",
-                              "--set", "logging.val_prompts=600", "--set", "logging.val_n=32", *TWO_ENGINES,
+                              "--set", "logging.val_prompts=600", "--set", "logging.val_n=16", *TWO_ENGINES,
                               "--set", "placement.learner_ranks=2", "--set", "placement.learner_cpus=0.5",
                               "--set", "learner.mini_batch_groups=8"),
                    check=True, cwd=REPO, timeout=900)

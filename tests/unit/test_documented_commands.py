@@ -129,7 +129,7 @@ RUN = {
     r"python tools/cluster/memory_model\.py( configs/[\w.]+\.yaml)+( --set [\w.]+=\S+)*": "### Learner, one GPU",
     r"python tools/cluster/memory_model\.py --smoke": "gpu_smoke.json",
     r"python -m pytest( -m (gpu|\"not slow\"))?": "",  # checked against pyproject, not run (it is the suite)
-    r"pip install( --no-compile)? -e \"\.\[dev\]\"": "",  # checked against pyproject's extras
+    r"pip install -e \"\.\[dev\]\"": "",  # checked against pyproject's extras
 }
 
 # (b) run by another test: pattern -> (that test, the tokens its source must contain).
@@ -138,15 +138,15 @@ COVERED = {
     r"async-dapo train --config configs/tiny_cpu\.yaml( --set \S+)*":
         ("tests/integration/test_train_e2e.py::test_async_run_end_to_end", ("train", "--config", "--set")),
     r"async-dapo train --config \S+ --resume \S+":
-        ("tests/integration/test_faults_e2e.py::test_killed_learner_stops_the_run_naming_it_and_resume_finishes",
+        ("tests/integration/test_faults_e2e.py::test_failing_groups_and_a_killed_learner_at_eta_0_then_resume_finishes",
          ("--resume",)),
     r"async-dapo eval --config \S+ --repeats \d+":
         ("tests/integration/test_bounded_starts.py::test_eval_engine_start_is_bounded", ('"eval"', "--config")),
     r"async-dapo scale \S+ --engines \S+( --wait-s \S+)?":
-        ("tests/integration/test_fleet_e2e.py::test_engines_scale_and_one_is_killed_while_the_run_trains",
+        ("tests/integration/test_fleet_e2e.py::test_a_fleet_scales_and_each_engine_fault_costs_the_learner_one_detection",
          ("_scale(",)),
     r"async-dapo stop \S+":
-        ("tests/integration/test_fleet_e2e.py::test_engines_scale_and_one_is_killed_while_the_run_trains",
+        ("tests/integration/test_fleet_e2e.py::test_a_fleet_scales_and_each_engine_fault_costs_the_learner_one_detection",
          ("_stop_and_finish(",)),
     r"async-dapo from-verl \S+":
         ("tests/unit/test_from_verl.py::test_the_command_prints_yaml_and_names_what_does_not_load",
@@ -360,7 +360,7 @@ def test_every_user_page_is_read():
 def test_extraction_finds_the_commands_the_pages_give():
     texts = {c.text for c in COMMANDS}
     # README's fenced main command, split at &&; a fenced command with a trailing comment; a continued inline span.
-    assert {"python3 -m venv .venv", 'pip install --no-compile -e ".[dev]"', "async-dapo train --config configs/tiny_cpu.yaml",
+    assert {"python3 -m venv .venv", 'pip install -e ".[dev]"', "async-dapo train --config configs/tiny_cpu.yaml",
             "async-dapo train --config configs/tiny_cpu.yaml --print-config",
             "async-dapo plan --profile configs/profiles/h100_qwen2.5_32b.yaml --config "
             "configs/dapo_qwen2.5_32b_16x8_async.yaml --recommend --total-gpus 128"} <= texts, sorted(texts)
