@@ -98,14 +98,15 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
     dt = max(dt, 1e-9)
     share = {g.engine_rank for g in batch} | set(now)
     out = {f"rollout/{r}/batch_share": sum(g.engine_rank == r for g in batch) / max(len(batch), 1) for r in share}
-    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail", *ENGINE_SUMS), 0.0)
+    totals = dict.fromkeys(("tokens", "idle", "occupancy", "tail", "updates", "update_seconds", *ENGINE_SUMS), 0.0)
     for rank, s in now.items():
         b = before.get(rank)
         if b is None or b.get("pid") != s.get("pid"):
             b = {}
-        d = {k: max(0.0, s.get(k, 0.0) - b.get(k, 0.0))
-             for k in ("gen_tokens", "idle_seconds", "groups_sent", "seq_seconds", "tail_seconds", *ENGINE_SUMS)}
-        for key in ENGINE_SUMS:
+        d = {k: max(0.0, s.get(k, 0.0) - b.get(k, 0.0)) for k in ("gen_tokens", "idle_seconds", "groups_sent",
+                                                                   "seq_seconds", "tail_seconds", "updates",
+                                                                   "update_seconds", *ENGINE_SUMS)}
+        for key in ("updates", "update_seconds", *ENGINE_SUMS):
             totals[key] += d[key]
         occupancy = d["seq_seconds"] / dt / max(s.get("batch_seqs", 1), 1)
         for key, value in zip(("tokens", "idle", "occupancy", "tail"),
@@ -116,19 +117,22 @@ def fleet_metrics(now: dict[int, dict], before: dict[int, dict], dt: float,
                     f"rollout/{rank}/idle_ratio": min(1.0, d["idle_seconds"] / dt),
                     f"rollout/{rank}/occupancy": occupancy, f"rollout/{rank}/tail_ratio": min(1.0, d["tail_seconds"] / dt),
                     f"rollout/{rank}/version": float(s["version"]),
+                    # seconds inside one weight update (paused or draining, then loading): what a push costs it
+                    f"rollout/{rank}/weight_load_s": d["update_seconds"] / d["updates"] if d["updates"] else 0.0,
                     f"rollout/{rank}/groups_sent": float(s.get("groups_sent", 0))})  # by this process, cumulative
     engines = max(len(now), 1)
     return out, {"gen_tokens_per_s": totals["tokens"] / dt,
                  "rollout_idle_ratio": min(1.0, totals["idle"] / dt / engines),
                  "rollout_occupancy": totals["occupancy"] / engines,
                  "rollout_tail_ratio": min(1.0, totals["tail"] / dt / engines),
+                 "weight_load_s": totals["update_seconds"] / totals["updates"] if totals["updates"] else 0.0,
                  **{key: totals[key] for key in ENGINE_SUMS}}
 
 
 def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str, Any], *, trained_version: int,
                  timing: dict[str, float]) -> dict[str, float]:
     """All tags of one step. ``timing`` holds step_s, wait_data_s, weight_push_s, weight_push_stall_s,
-    gen_tokens_per_s, rollout_idle_ratio (measured by the orchestrator)."""
+    gen_tokens_per_s, rollout_idle_ratio, weight_load_s (measured by the orchestrator)."""
     out = batch_metrics(groups, trained_version)
     out.update({tag: float(learner[k]) for k, tag in _LEARNER_TAGS.items() if k in learner})
     out.update({tag: float(queue[k]) for k, tag in _REPLAY_TAGS.items() if k in queue})
@@ -147,6 +151,8 @@ def step_metrics(groups: list[Group], learner: dict[str, float], queue: dict[str
     out.update({
         "perf/time_per_step": step_s, "perf/wait_data_s": timing["wait_data_s"],
         "perf/weight_push_s": timing["weight_push_s"], "perf/weight_push_stall_s": timing.get("weight_push_stall_s", 0.0),
+        "perf/weight_load_s": timing.get("weight_load_s", 0.0),
+        "perf/update_actor_s": float(learner["train_s"]),
         "perf/gen_tokens_per_s": timing["gen_tokens_per_s"],
         "perf/train_tokens_per_s": learner["train_tokens"] / max(learner["train_s"], 1e-9),
         "perf/learner_idle_ratio": min(1.0, timing["wait_data_s"] / step_s),

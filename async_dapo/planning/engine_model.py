@@ -1,5 +1,6 @@
 """The simulator's engines: each a continuous batcher whose decode iteration takes ``a + b·n + c·K`` seconds
-(n running sequences, K their context tokens), slowed while the learner computes; between events n is
+(n running sequences, K their context tokens), slowed while the learner computes and, on shared cores, by
+the busy processes' share of them; between events n is
 constant, so a whole segment up to the next finish is one closed-form jump. Also the engine's side of a
 weight update (pause, drain or abort; the load; the re-prefill after it).
 
@@ -15,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 READY, LEARNER = 0, 1  # event kinds: an engine's next action is due / the learner's step or stall ended
+ACTIVE = ("decode", "work")  # engine states that keep a core busy
 
 
 @dataclass
@@ -60,7 +62,13 @@ class EngineModel:
         e.last_t = t
 
     def _slow(self) -> float:
-        return self.p.contention.engine_slowdown if self.lstate == "train" else 1.0
+        c = self.p.contention
+        return (c.interference(c.engine_slowdown) if self.lstate == "train" else 1.0) * c.share(self._busy())
+
+    def _busy(self) -> int:
+        """Compute processes busy now: engines decoding or working (prefill, a finished group's host work)
+        and, while it trains, every learner rank."""
+        return self.n_active + (self.s.learner_ranks if self.lstate == "train" else 0)
 
     def _poke(self, e: Engine, t: float) -> None:
         """Something changed for ``e``: an idle engine looks now, a decoding one at its next iteration."""
@@ -95,13 +103,21 @@ class EngineModel:
         return min(j, m)
 
     def _set_state(self, e: Engine, state: str, t: float) -> None:
-        was = e.state == "decode"
+        was_decoding, was_active = e.state == "decode", e.state in ACTIVE
         e.state = state
-        if was != (state == "decode"):
-            self.n_decoding += 1 if state == "decode" else -1
-            if (self.n_decoding == 0 or (self.n_decoding == 1 and state == "decode")) and \
-                    self.p.contention.learner_slowdown != 1.0:
+        decoding, active = state == "decode", state in ACTIVE
+        self.n_decoding += decoding - was_decoding
+        self.n_active += active - was_active
+        if self.p.contention.cores is not None:
+            if active != was_active:  # every busy process's share of the cores changed
+                for other in self.engines:
+                    if other is not e and other.state == "decode":
+                        self._poke(other, t)
+            if active != was_active or decoding != was_decoding:
                 self._learner_rerate(t)
+        elif decoding != was_decoding and self.n_decoding == int(decoding) and \
+                self.p.contention.learner_slowdown != 1.0:  # the first engine started or the last one stopped
+            self._learner_rerate(t)
 
     def _engine_ready(self, e: Engine, t: float) -> None:
         self._acc(e, t)
@@ -160,16 +176,16 @@ class EngineModel:
             return
         if e.work:
             seconds, kind, payload = e.work.popleft()
-            seconds *= self._slow()
             self._set_state(e, "work", t)
+            seconds *= self._slow()  # at the share of the cores it has now, itself counted
             e.seg = (kind, payload)
             e.token += 1
             self._at(t + seconds, READY, e.idx, e.token)
         elif e.n > 0 and (up is None or up["stage"] == "drain"):
+            self._set_state(e, "decode", t)
             slow, eng = self._slow(), self.p.engine
             A = eng.decode_base_s + eng.decode_per_seq_s * e.n + eng.decode_per_ctx_token_s * e.context()
             m = e.heap[0][0] - e.it
-            self._set_state(e, "decode", t)
             e.seg = (t, m, A, slow)
             e.token += 1
             self._at(t + self._decode_s(e, m, A, slow), READY, e.idx, e.token)
@@ -219,6 +235,8 @@ class EngineModel:
             up["refill"] = groups * self.p.workload.prompt_tokens + e.n * e.it - e.sum_start
         if up.get("refill", 0) > 0:
             e.work.appendleft((up["refill"] * self.p.engine.prefill_per_token_s, "prefill", 0))
+        if self.step >= self.warmup:
+            self.load_durations.append(t - self.push["t0"])
         self.push["loaded"] += 1
         if self.push["loaded"] == len(self.engines):
             self._push_done(t)

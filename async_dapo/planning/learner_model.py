@@ -56,7 +56,8 @@ class LearnerModel:
         self.llast = t
 
     def _learner_rate(self) -> float:
-        return 1.0 / self.p.contention.learner_slowdown if self.n_decoding else 1.0
+        c = self.p.contention
+        return 1.0 / ((c.interference(c.learner_slowdown) if self.n_decoding else 1.0) * c.share(self._busy()))
 
     def _learner_rerate(self, t: float) -> None:
         if self.lstate != "train":
@@ -87,7 +88,9 @@ class LearnerModel:
         self.counts["trained_resp"] += sum(g[2] for g in batch)
         self.counts["trained_samples"] += B * self.s.G
         self._learner_to(t, "train")
-        self.lwork = step_seconds(self.p.learner, self.s, [g[1] for g in batch])
+        self.ltrain_at = t
+        self.lwork = step_seconds(self.p.learner, self.s, [g[1] for g in batch]) + \
+            self.p.learner.loop_per_sample_s * len(batch) * self.s.G
         self.lrate = self._learner_rate()
         self.ltoken += 1
         self._at(t + self.lwork / self.lrate, LEARNER, self.ltoken)
@@ -111,7 +114,7 @@ class LearnerModel:
         self._acc_learner(t)
         was = self.lstate == "train"
         self.lstate = state
-        if was != (state == "train") and self.p.contention.engine_slowdown != 1.0:
+        if was != (state == "train") and (self.p.contention.engine_slowdown != 1.0 or self.p.contention.cores):
             for e in self.engines:
                 if e.state == "decode":
                     self._poke(e, t)
@@ -124,6 +127,8 @@ class LearnerModel:
             self._learner_take(t)
             return
         self._learner_to(t, "between")
+        if self.step >= self.warmup:
+            self.train_durations.append(t - self.ltrain_at)
         self.lv += 1
         self.step += 1
         if self.step == self.warmup:

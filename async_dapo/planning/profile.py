@@ -73,6 +73,10 @@ class LearnerProfile(_Part):
                                         "when R > 1 (one per FSDP unit, summed).")
     collective_overlap: float = Field(0.0, ge=0, le=1, description="Share of the collectives' time hidden "
                                       "under compute (FSDP's prefetch); 0 = none (gloo on shared CPU cores).")
+    loop_per_sample_s: float = Field(0.0, ge=0, description="Seconds per trained sample the training loop "
+                                     "spends outside the batch wait, the train call and the push call (handing "
+                                     "the batch over, its metrics and logs), measured in a run; counted with the "
+                                     "step.")
 
 
 class PushProfile(_Part):
@@ -89,12 +93,27 @@ class PushProfile(_Part):
 
 
 class Contention(_Part):
-    """Slowdowns when the roles share hardware (1.0 = separate devices)."""
+    """Slowdowns when the roles share hardware (1.0 = separate devices). With ``cores`` set, the busy
+    processes also share those cores: every decoding engine and every training learner rank runs
+    ``max(1, (busy + background_cores) / cores)`` times slower, and the two slowdowns below (measured with
+    one engine and one rank busy) keep only what that sharing does not explain."""
 
     engine_slowdown: float = Field(1.0, gt=0, description="Multiplier on engine time while the learner "
-                                   "computes (shared CPU cores).")
+                                   "computes (shared CPU cores), as measured with one engine and one rank.")
     learner_slowdown: float = Field(1.0, gt=0, description="Multiplier on learner step time while any engine "
-                                    "decodes.")
+                                    "decodes, as measured with one engine and one rank.")
+    cores: float | None = Field(None, gt=0, description="CPU cores the engines, the learner ranks and the "
+                                "run's other processes share; None: each role computes on its own devices.")
+    background_cores: float = Field(0.0, ge=0, description="Cores the run's other processes keep busy (the "
+                                    "driver, the replay queue, the rollout actors' host side, Ray), with cores.")
+
+    def share(self, busy: float) -> float:
+        """How many times slower each of ``busy`` compute processes runs on the shared cores (1: no sharing)."""
+        return 1.0 if self.cores is None else max(1.0, (busy + self.background_cores) / self.cores)
+
+    def interference(self, slowdown: float) -> float:
+        """A measured one-engine-one-rank slowdown without the core sharing it contains."""
+        return slowdown if self.cores is None else max(1.0, slowdown / self.share(2))
 
 
 class Lognormal(_Part):

@@ -89,6 +89,8 @@ class Prediction:
     wasted_tokens: int  # tokens generated and thrown away (abort mode)
     step_s: float
     push_s: float  # the sender's time per push
+    weight_load_s: float = 0.0  # per engine and push: push start -> it runs the new weights (perf/weight_load_s)
+    train_s: float = 0.0  # per step: the training call, loop overhead included (perf/update_actor_s + overhead)
     keep_rate: float = float("nan")  # kept / (kept + filtered) finished groups
     trained_length_ratio: float = float("nan")  # mean trained response length / mean of all finished samples
     speedup: float | None = None  # over the same plan at η = 0

@@ -40,9 +40,12 @@ class Simulator(EngineModel, LearnerModel):
         self.qv = self.lv = 0  # the engines' loaded version (admission) / the learner's
         self.step, self.lstate, self.ltoken, self.llast = 0, "wait", 0, 0.0
         self.lwork = self.lrate = 0.0
-        self.lidle, self.n_decoding = 0.0, 0
+        self.lidle, self.n_decoding, self.n_active = 0.0, 0, 0  # engines decoding / decoding or working
         self.push: dict[str, Any] | None = None  # the push in flight: version, start, engines entered/loaded
         self.push_durations: list[float] = []
+        self.load_durations: list[float] = []  # per engine and push: push start -> it runs the new weights
+        self.train_durations: list[float] = []  # per step: the train call (contention and loop overhead in)
+        self.ltrain_at = 0.0
         self.stale_trained: list[int] = []
         self.counts = {"dropped_stale": 0, "dropped_filtered": 0, "kept": 0, "trained_resp": 0,
                        "trained_samples": 0, "finished_resp": 0, "finished_samples": 0}
@@ -139,6 +142,8 @@ class Simulator(EngineModel, LearnerModel):
             staleness_max=int(max(self.stale_trained)), staleness_hist=dict(sorted(hist.items())),
             dropped_stale=int(d["dropped_stale"]), dropped_filtered=int(d["dropped_filtered"]),
             wasted_tokens=int(d["wasted"]), step_s=1.0 / per_s, push_s=float(np.mean(self.push_durations or [0.0])),
+            weight_load_s=float(np.mean(self.load_durations or [0.0])),
+            train_s=float(np.mean(self.train_durations or [0.0])),
             keep_rate=d["kept"] / max(1, d["kept"] + d["dropped_filtered"]),
             trained_length_ratio=_ratio(d["trained_resp"], d["trained_samples"], d["finished_resp"],
                                         d["finished_samples"]))

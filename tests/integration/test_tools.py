@@ -4,6 +4,7 @@ No speed threshold: tools measure, tests check behaviour."""
 
 import csv
 import math
+import os
 import re
 import subprocess
 import sys
@@ -60,11 +61,18 @@ def test_calibrate_quick(tmp_path):
     # phase f (the learner against 1 and 2 ranks) is left out here: its fit is checked on synthetic cells
     # (tests/unit/test_calibrate_fit.py) and it would add a minute; the figures below are phase c's
     log = _run(["tools/bench/calibrate.py", "--config", "configs/tiny_cpu.yaml", "--model", "models/tiny_cpu",
-                "--out", str(out), "--quick", "--phases", "engine", "actor", "learner", "push", "contention"], 600)
+                "--out", str(out), "--quick", "--phases", "engine", "actor", "learner", "push", "contention", "run"],
+               900)
     profile = load_profile(out)
     for part in (profile.engine, profile.learner, profile.push, profile.contention):
         for key, value in part.model_dump().items():
             assert math.isfinite(float(value)) and float(value) >= 0, (key, value)
+    # the run phase: a real run of the config, on this machine's cores, its other processes busy
+    assert profile.contention.cores == os.cpu_count()
+    assert 0 < profile.contention.background_cores < os.cpu_count()
+    assert 0 < profile.learner.loop_per_sample_s < 0.01
+    assert {"run", "run_check"} <= set(profile.sources)
+    assert (tmp_path / "tiny_run" / "metrics.jsonl").exists()
     e = profile.engine
     assert e.decode_base_s + e.decode_per_seq_s > 0 and e.max_running_seqs >= 1
     assert profile.learner.per_token_s > 0 and profile.push.bytes > 0

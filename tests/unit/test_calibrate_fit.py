@@ -124,3 +124,15 @@ def test_learner_ranks_fit_recovers_a_synthetic_learner_and_its_collectives():
     assert part["forward_share"] == pytest.approx(share, abs=0.15)
     extra, _ = learner_ranks.fit_two_ranks(part, rows[2], nbytes)
     assert extra["collective_bandwidth_bytes_per_s"] == pytest.approx(bw, rel=0.25)
+
+
+def test_the_ranks_fit_is_scaled_to_the_real_learner_without_touching_its_collectives():
+    """Phase f's synthetic cells give the learner's shape against ranks; phase c's real steps set its level:
+    every compute figure × the ratio, the collective figures as measured."""
+    part = {"step_base_s": 0.01, "per_token_s": 4e-5, "per_micro_batch_s": 2e-3, "per_update_s": 0.0,
+            "forward_share": 0.25, "collective_bytes": 1.5e6, "collective_bandwidth_bytes_per_s": 8e7}
+    scaled = calibrate.scaled_compute(part, 1.2)
+    assert scaled["step_base_s"] == pytest.approx(0.012) and scaled["per_token_s"] == pytest.approx(4.8e-5)
+    assert scaled["per_micro_batch_s"] == pytest.approx(2.4e-3) and scaled["per_update_s"] == 0.0
+    assert {k: scaled[k] for k in ("forward_share", "collective_bytes", "collective_bandwidth_bytes_per_s")} == \
+        {"forward_share": 0.25, "collective_bytes": 1.5e6, "collective_bandwidth_bytes_per_s": 8e7}

@@ -154,7 +154,7 @@ def _source_tags(module: str, var: str) -> set[str]:
 
 def step_tags(monkeypatch) -> dict[str, float]:
     timing = {"step_s": 2.0, "wait_data_s": 0.5, "weight_push_s": 0.3, "weight_push_stall_s": 0.1,
-              "gen_tokens_per_s": 100.0, "rollout_idle_ratio": 0.2,
+              "gen_tokens_per_s": 100.0, "rollout_idle_ratio": 0.2, "weight_load_s": 0.25,
               "engine_sums": {"aborted_tokens": 3.0, "continued_tokens": 5.0, "carried_tokens": 4.0,
                               "carried_stale_tokens": 1.0, "partials_unsent": 0.0}}  # as the orchestrator sends them
     m = step_metrics(GROUPS, learner_output(monkeypatch), queue_stats(), trained_version=4, timing=timing)
@@ -287,3 +287,19 @@ def test_fleet_metrics_occupancy_and_tail_are_per_engine_deltas_over_the_window(
     assert fleet["rollout_occupancy"] == pytest.approx(0.5)
     assert fleet["rollout_tail_ratio"] == pytest.approx(0.375)
     assert fleet["gen_tokens_per_s"] == pytest.approx((40 + 20) / 2.0)
+    assert "rollout/0/weight_load_s" in per_engine and fleet["weight_load_s"] == 0.0  # no update in the window
+
+
+def test_weight_load_s_is_the_engines_seconds_per_update_over_the_window():
+    """Engine 0 did 2 updates in the window taking 0.4 s together (0.2 s each); engine 1 is a replacement
+    (new pid), counted from zero: 1 update of 0.3 s; engine 2 had none (0). The fleet: 0.7 s / 3 updates."""
+    before = {0: {"updates": 2, "update_seconds": 0.5, "pid": 1, "version": 1},
+              1: {"updates": 9, "update_seconds": 9.0, "pid": 2, "version": 1},
+              2: {"updates": 3, "update_seconds": 1.0, "pid": 4, "version": 1}}
+    now = {0: {**before[0], "updates": 4, "update_seconds": 0.9}, 1: {"updates": 1, "update_seconds": 0.3, "pid": 3,
+                                                                     "version": 2}, 2: before[2]}
+    per_engine, fleet = fleet_metrics(now, before, 2.0, GROUPS)
+    assert per_engine["rollout/0/weight_load_s"] == pytest.approx(0.2)
+    assert per_engine["rollout/1/weight_load_s"] == pytest.approx(0.3)
+    assert per_engine["rollout/2/weight_load_s"] == 0.0
+    assert fleet["weight_load_s"] == pytest.approx(0.7 / 3)

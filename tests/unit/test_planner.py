@@ -74,6 +74,56 @@ def test_contention_slows_the_overlapped_roles():
     assert slowed.steps_per_s < 0.8 * alone.steps_per_s
 
 
+def test_shared_cores_slow_every_busy_process_by_its_share():
+    """cores 1 and 0.5 core of background: in a synchronous step (the roles never overlap) the engine runs
+    alone, 1.5× slower ((1 + 0.5) / 1); the two learner ranks run together, 2.5× slower ((2 + 0.5) / 1); the
+    push is not slowed. The interference slowdowns do not apply (never overlapped)."""
+    shape = Shape(B=4, G=2, eta=0, max_inflight_prompts=8, learner_ranks=2)
+    shared = profile(contention={"cores": 1.0, "background_cores": 0.5, "engine_slowdown": 3.0,
+                                 "learner_slowdown": 3.0})
+    e, lp, pp = BASE["engine"], BASE["learner"], BASE["push"]
+    n, P, L = 8, 10, 5
+    decode = sum(e["decode_base_s"] + e["decode_per_seq_s"] * n + e["decode_per_ctx_token_s"] * (n * P + i * n)
+                 for i in range(L))
+    generate = 4 * P * e["prefill_per_token_s"] + decode + 4 * e["per_group_s"]
+    train = lp["step_base_s"] + lp["per_token_s"] * 4 * 2 * (P + L) / 2  # two ranks share the tokens
+    push = pp["learner_stall_s"] + max(pp["base_s"] + pp["bytes"] / pp["bandwidth_bytes_per_s"], pp["engine_pause_s"])
+    assert predict(shared, shape, 12, 2).step_s == pytest.approx(1.5 * generate + 2.5 * train + push, rel=1e-9)
+
+
+def test_shared_cores_change_nothing_while_no_more_processes_are_busy_than_cores():
+    """One engine and one rank on 2 cores without background: never more than 2 busy, so the plan is the
+    one without sharing, to the last bit; a second engine makes 3 busy processes and the plan slower."""
+    shape = Shape(B=4, G=2, eta=2, max_inflight_prompts=12)
+    slowed = {"engine_slowdown": 1.3, "learner_slowdown": 1.4}
+    alone = predict(profile(contention=slowed), shape, 20, 4, sync_baseline=False)
+    shared = predict(profile(contention={**slowed, "cores": 2.0}), shape, 20, 4, sync_baseline=False)
+    assert shared.steps_per_s == alone.steps_per_s and shared.learner_idle == alone.learner_idle
+    two = Shape(B=4, G=2, eta=2, max_inflight_prompts=6, num_engines=2, learner_ranks=1)
+    assert predict(profile(contention={**slowed, "cores": 2.0}), two, 20, 4, sync_baseline=False).steps_per_s < \
+        predict(profile(contention=slowed), two, 20, 4, sync_baseline=False).steps_per_s
+
+
+def test_measured_slowdowns_lose_the_sharing_they_contain():
+    """The slowdowns are measured with one engine and one rank busy: with 2 cores and 0.4 of background,
+    that is (2 + 0.4) / 2 = 1.2 of sharing; what remains is interference (never below 1). Without shared
+    cores a slowdown is all interference."""
+    c = pl.Contention(cores=2.0, background_cores=0.4)
+    assert c.share(2) == pytest.approx(1.2) and c.share(1) == 1.0 and c.share(3) == pytest.approx(1.7)
+    assert c.interference(1.5) == pytest.approx(1.25) and c.interference(1.1) == 1.0
+    assert pl.Contention().interference(1.5) == 1.5 and pl.Contention().share(5) == 1.0
+
+
+def test_the_loop_overhead_is_paid_every_step():
+    """A learner-bound plan: each step costs the train step, the loop's own overhead and the push stall."""
+    slow = profile(learner={"step_base_s": 5.0, "loop_per_sample_s": 0.25 / 8})  # 4 groups x 2 samples
+    pred = predict(slow, Shape(B=4, G=2, eta=1, max_inflight_prompts=8), 20, 5, sync_baseline=False)
+    lp = BASE["learner"]
+    t_learner = 5.0 + lp["per_token_s"] * 4 * 2 * 15 + 0.25 + BASE["push"]["learner_stall_s"]
+    assert pred.steps_per_s == pytest.approx(1 / t_learner, rel=1e-9)
+    assert pred.train_s == pytest.approx(t_learner - BASE["push"]["learner_stall_s"], rel=1e-9)
+
+
 def test_a_slow_learner_never_waits_and_sets_the_pace():
     slow = profile(learner={"step_base_s": 5.0})
     shape = Shape(B=4, G=2, eta=1, max_inflight_prompts=8)

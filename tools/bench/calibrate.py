@@ -4,9 +4,9 @@ profile YAML (the schema of ``async_dapo.planning.Profile``, validated before it
     python tools/bench/calibrate.py --config configs/tiny_cpu.yaml [--set k=v ...] [--model models/tiny_cpu]
                                     --out runs/calibrate/<name>.yaml [--quick] [--phases engine actor ...]
 
-It never looks at a coupled (train + generate) run: every figure comes from one role running by itself,
-except the contention phase, where the two roles run at once but are NOT coupled (no weight push, no
-admission by version; the learner re-trains old batches).
+Every figure of the roles comes from one role running by itself, except the contention phase, where the two
+roles run at once but are NOT coupled (no weight push, no admission by version; the learner re-trains old
+batches). The run phase (g) runs the config itself, for the run's own overhead only.
 
 Phases (one Ray instance per placement, ``placement.place(cfg)`` as tools/bench/throughput.py does):
 
@@ -42,7 +42,15 @@ e. ``contention``: the engines generate (as in b) while the learner re-trains th
 
 f. ``ranks``: the learner against ranks (tools/bench/learner_ranks.py: the real learner rank on 1 and 2
    processes over gloo, no Ray): per-token, per-micro-batch, per-update and collective figures, which replace
-   c's two-figure fit in the profile; c's steps are predicted by them as a check.
+   c's two-figure fit in the profile; their compute figures are then scaled so that they reproduce c's mean
+   step (the real learner actor on the run's batches sets the level, the synthetic cells the shape).
+
+g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other processes keep busy (driver,
+   replay queue, rollout actors' host side, Ray) -> contention.background_cores, this machine's CPUs ->
+   contention.cores (engines on CPU only), and the training loop's own seconds per step ->
+   learner.loop_per_sample_s. The run's steps/s and engine time per update (``perf/weight_load_s``) are
+   written beside the planner's prediction of them, as a check (not fitted). The only phase that runs train and generate coupled; it measures what the roles
+   alone cannot, and none of the roles' figures.
 
 ``--quick``: fewer points and batches (a CI-size smoke, about 3 minutes with the tiny model on 2 cores; its
 numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
@@ -66,7 +74,7 @@ sys.path.insert(0, str(HERE.parent))  # tools/: common.py
 sys.path.insert(0, str(HERE))  # tools/bench/: throughput.py, push.py
 import common  # noqa: E402
 
-PHASES = ("engine", "actor", "learner", "push", "contention", "ranks")
+PHASES = ("engine", "actor", "learner", "push", "contention", "ranks", "run")
 ROLE_SETS = ["replay.max_staleness=1000", "replay.capacity_groups=1000000"]  # admission never binds (throughput)
 
 
@@ -507,10 +515,51 @@ def learner_against_ranks(cfg, got: dict, quick: bool, sources: dict, log) -> di
         B = cfg.algorithm.train_batch_groups
         pred = statistics.mean(step_seconds(LearnerProfile(**part), Shape.from_config(cfg), [t / B] * B)
                                for t in tokens)
-        check = f"phase c's mean step {statistics.mean(seconds):.3f} s, predicted {pred:.3f} s by the ranks fit"
+        scale = statistics.mean(seconds) / pred
+        part = scaled_compute(part, scale)
+        check = (f"phase c's mean step {statistics.mean(seconds):.3f} s, predicted {pred:.3f} s by the ranks fit: "
+                 f"its compute figures x {scale:.3f} (the real learner actor on the run's batches sets the level, "
+                 f"the synthetic cells the shape against ranks)")
         sources["learner_ranks"] += f"; {check}"
         log(f"ranks: {check}")
     return part
+
+
+def scaled_compute(part: dict, scale: float) -> dict:
+    """The learner part with its compute figures (not its collectives) times ``scale``."""
+    keys = ("step_base_s", "per_token_s", "per_micro_batch_s", "per_update_s")
+    return {**part, **{k: part[k] * scale for k in keys if k in part}}
+
+
+def run_phase(args, cfg, sources: dict, log) -> dict:
+    """Phase g (tools/bench/in_run.py): the config run for real; the cores its other processes use and the
+    training loop's own seconds per step."""
+    import in_run
+
+    from async_dapo.device import resolve_device
+
+    steps, warmup = (8, 3) if args.quick else (24, 8)
+    sets = [*args.overrides, f"model.path={cfg.model.path}", "model.bootstrap=null"]
+    run_dir = args.out.parent / f"{args.out.stem}_run"
+    got = in_run.measure(args.config, sets, run_dir, steps, warmup, args.run_timeout, log)
+    samples = cfg.algorithm.train_batch_groups * cfg.rollout.n
+    sharing, per_sample, how = in_run.overhead_part(got, resolve_device(cfg.rollout.engine.device), samples)
+    sources["run"] = f"{_now()}: {how} ({run_dir})"
+    log(f"run: {how}")
+    steps = got["steps"]
+    return {"sharing": sharing, "loop_per_sample_s": per_sample,
+            "weight_load_s": statistics.fmean(r["perf/weight_load_s"] for r in steps),
+            "run_steps_per_s": (len(steps) - 1) / (steps[-1]["time"] - steps[0]["time"])}
+
+
+def run_check(profile, cfg, got: dict, sources: dict) -> None:
+    """The run phase's own run predicted with the finished profile, beside what it measured (not fitted)."""
+    from async_dapo.planning import Shape, predict
+
+    pred = predict(profile, Shape.from_config(cfg), steps=30, warmup=6, sync_baseline=False)
+    sources["run_check"] = (f"{_now()}: the run phase's run, measured / predicted with this profile: steps/s "
+                            f"{got['run_steps_per_s']:.3f} / {pred.steps_per_s:.3f}, engine seconds per update "
+                            f"(perf/weight_load_s) {got['weight_load_s']:.4f} / {pred.weight_load_s:.4f}")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -566,6 +615,9 @@ def main() -> None:
     if "ranks" in phases:
         got["learner"] = learner_against_ranks(cfg, got, args.quick, sources, log)
 
+    if "run" in phases:
+        got = {**got, **run_phase(args, cfg, sources, log)}
+
     def pick(part: str, measured, neutral=None):
         if measured is not None:
             return measured
@@ -588,9 +640,12 @@ def main() -> None:
         "learner": pick("learner", got.get("learner")),
         "push": pick("push", got.get("push"), {"base_s": 0.0, "bytes": nbytes, "bandwidth_bytes_per_s": 1e12,
                                                "engine_pause_s": 0.0, "learner_stall_s": 0.0}),
-        "contention": pick("contention", got.get("contention"), {"engine_slowdown": 1.0, "learner_slowdown": 1.0}),
+        "contention": {**pick("contention", got.get("contention"), {"engine_slowdown": 1.0, "learner_slowdown": 1.0}),
+                       **got.get("sharing", {})},
         "workload": pick("workload", got.get("workload")),
     }
+    if "loop_per_sample_s" in got:
+        prof["learner"] = {**prof["learner"], "loop_per_sample_s": got["loop_per_sample_s"]}
     if "per_group_s" not in got:
         sources.setdefault("per_group_s", f"from {args.base}" if base else "not measured: 0")
     if got.get("push") is not None:
@@ -599,16 +654,20 @@ def main() -> None:
     from async_dapo.planning.workload import keep_rate
 
     profile = profile_from_dict(prof, str(args.out))  # validate before writing
+    if "weight_load_s" in got:
+        run_check(profile, cfg, got, sources)
+        profile = profile_from_dict({**prof, "sources": sources}, str(args.out))
     for part in ("engine", "learner", "push", "contention"):
         for k, v in getattr(profile, part).model_dump().items():
-            _finite(float(v))
+            if v is not None:  # contention.cores: None when the roles do not share cores
+                _finite(float(v))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     class Dumper(yaml.SafeDumper):  # lists (the response lengths) on one line
         pass
 
     Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
     text = yaml.dump(profile.model_dump(), Dumper=Dumper, sort_keys=False, width=120)
-    args.out.write_text(f"# Planner profile measured by {command} on {_now()} (roles alone).\n" + text)
+    args.out.write_text(f"# Planner profile measured by {command} on {_now()} (roles alone{', then a run' if 'run' in phases else ''}).\n" + text)
     shown = profile.model_dump()
     lengths = profile.workload.all_lengths()
     for key in ("response_lengths", "prompts"):

@@ -1,0 +1,75 @@
+"""The calibration's run phase (tools/bench/in_run.py): the cores a run's processes use, split into the
+engines' schedulers, the learner ranks and the background, and the training loop's own seconds per step,
+on hand-made samples; and its sampling of a real process tree."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "bench"))
+import in_run  # noqa: E402
+
+
+def test_cores_by_role_splits_schedulers_learner_ranks_and_the_rest():
+    """Over 4 s: the scheduler used 3.2 CPU s (0.8 cores), learner rank 7 1.6 s (0.4), the driver 0.4 s and
+    the replay queue 0.8 s (0.3 together); a process born in the window (the detokenizer, 0.4 s) counts from
+    zero; one that ended before the second sample is not counted."""
+    before = {10: (5.0, "sglang::scheduler"), 7: (2.0, "ray::LearnerWorker"), 1: (3.0, "python"),
+              2: (1.0, "ray::ReplayQueue.admit"), 99: (9.0, "gone")}
+    after = {10: (8.2, "sglang::scheduler"), 7: (3.6, "ray::LearnerWorker"), 1: (3.4, "python"),
+             2: (1.8, "ray::ReplayQueue.get_batch"), 11: (0.4, "sglang::detokenizer")}
+    cores = in_run.cores_by_role(before, after, 4.0, learner_pids={7})
+    assert cores["engines"] == pytest.approx(0.8)
+    assert cores["learner"] == pytest.approx(0.4)
+    assert cores["background"] == pytest.approx((0.4 + 0.8 + 0.4) / 4.0)
+
+
+def test_loop_overhead_is_the_step_minus_its_wait_train_and_push_calls():
+    steps = [{"perf/time_per_step": 1.0, "perf/wait_data_s": 0.5, "perf/update_actor_s": 0.4,
+              "perf/weight_push_stall_s": 0.02},
+             {"perf/time_per_step": 0.8, "perf/wait_data_s": 0.2, "perf/update_actor_s": 0.5,
+              "perf/weight_push_stall_s": 0.04}]
+    assert in_run.loop_overhead_s(steps) == pytest.approx((0.08 + 0.06) / 2)
+    late = [{**steps[0], "perf/update_actor_s": 0.6}]  # clock skew between processes: never below 0
+    assert in_run.loop_overhead_s(late) == 0.0
+
+
+def test_cpu_seconds_sees_a_process_tree_and_its_busy_child():
+    """A parent sleeping beside a child that spins for CPU: the child's CPU time grows, the parent's barely."""
+    spin = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.6: pass\ntime.sleep(5)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess,sys; subprocess.run([sys.executable,'-c',{spin!r}])"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            seen = in_run.cpu_seconds(parent.pid)
+            child = [cpu for pid, (cpu, _) in seen.items() if pid != parent.pid]
+            if child and child[0] >= 0.6 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert parent.pid in seen and len(seen) == 2
+        assert child[0] >= 0.6 and seen[parent.pid][0] < child[0]
+    finally:
+        for pid in in_run.cpu_seconds(parent.pid):  # the child first (we started it, through the parent)
+            if pid != parent.pid:
+                os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait(timeout=30)
+
+
+def test_the_profile_part_shares_this_machines_cores_only_when_engines_run_on_cpu():
+    """0.05 s of loop overhead per step over 512 samples; 0.45 cores of background: on CPU the roles share
+    os.cpu_count() cores, on CUDA they do not share cores at all (cores None)."""
+    got = {"cores": {"engines": 0.9, "learner": 0.4, "background": 0.45}, "wall_s": 10.0,
+           "steps": [{"perf/time_per_step": 1.0, "perf/wait_data_s": 0.5, "perf/update_actor_s": 0.44,
+                      "perf/weight_push_stall_s": 0.01}] * 3}
+    part, per_sample, how = in_run.overhead_part(got, "cpu", 512)
+    assert part == {"cores": os.cpu_count(), "background_cores": 0.45}
+    assert per_sample == pytest.approx(0.05 / 512)
+    assert "0.45" in how and "512 samples" in how
+    assert in_run.overhead_part(got, "cuda", 512)[0]["cores"] is None
