@@ -43,7 +43,8 @@ def test_loop_overhead_is_the_step_minus_its_wait_train_and_push_calls():
 def test_cpu_seconds_sees_a_process_tree_and_its_busy_child():
     """A parent sleeping beside a child that spins for CPU: the child's CPU time grows, the parent's barely."""
     spin = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.6: pass\ntime.sleep(5)"
-    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess,sys; subprocess.run([sys.executable,'-c',{spin!r}])"])
+    launcher = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", launcher])
     try:
         deadline = time.monotonic() + 30
         while True:

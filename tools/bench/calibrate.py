@@ -47,10 +47,10 @@ f. ``ranks``: the learner against ranks (tools/bench/learner_ranks.py: the real 
 
 g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other processes keep busy (driver,
    replay queue, rollout actors' host side, Ray) -> contention.background_cores, this machine's CPUs ->
-   contention.cores (engines on CPU only), and the training loop's own seconds per step ->
+   contention.cores (engines on CPU only), and the training loop's own seconds per trained sample ->
    learner.loop_per_sample_s. The run's steps/s and engine time per update (``perf/weight_load_s``) are
-   written beside the planner's prediction of them, as a check (not fitted). The only phase that runs train and generate coupled; it measures what the roles
-   alone cannot, and none of the roles' figures.
+   written beside the planner's prediction of them, as a check (not fitted). The only phase that runs
+   train and generate coupled; it measures what the roles alone cannot, and none of the roles' figures.
 
 ``--quick``: fewer points and batches (a CI-size smoke, about 3 minutes with the tiny model on 2 cores; its
 numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
@@ -582,7 +582,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CI-size: fewer engine points, 1 + 2 batches, 2 pushes")
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     ap.add_argument("--base", type=Path, default=None, help="profile giving the figures of skipped phases")
-    ap.add_argument("--run-timeout", type=float, default=1800, help="seconds the generation phase may take")
+    ap.add_argument("--run-timeout", type=float, default=1800,
+                    help="seconds the generation phase, and the run phase, may take")
     args = ap.parse_args()
     import yaml
 
@@ -667,7 +668,8 @@ def main() -> None:
 
     Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
     text = yaml.dump(profile.model_dump(), Dumper=Dumper, sort_keys=False, width=120)
-    args.out.write_text(f"# Planner profile measured by {command} on {_now()} (roles alone{', then a run' if 'run' in phases else ''}).\n" + text)
+    how = "roles alone, then a run" if "run" in phases else "roles alone"
+    args.out.write_text(f"# Planner profile measured by {command} on {_now()} ({how}).\n" + text)
     shown = profile.model_dump()
     lengths = profile.workload.all_lengths()
     for key in ("response_lengths", "prompts"):

@@ -85,6 +85,10 @@ def measure(config: str | Path, sets: list[str], run_dir: Path, steps: int, warm
         raise SystemExit(f"run phase: need 0 < warmup < steps - 1 (got {warmup}, {steps})")
     sets = [*sets, "logging.val_every_steps=0", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
             f"learner.total_steps={steps}", f"logging.run_dir={run_dir}"]
+    from async_dapo.checkpoint.run_dir import archive_previous_run
+
+    if (moved := archive_previous_run(run_dir)) is not None:  # its steps must not count as this run's
+        log(f"run: the previous run phase's directory moved to {moved}")
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(common.REPO)}
     deadline = time.monotonic() + timeout_s
@@ -95,6 +99,9 @@ def measure(config: str | Path, sets: list[str], run_dir: Path, steps: int, warm
             first = _sample_at(proc, run_dir, warmup, deadline)
             last = _sample_at(proc, run_dir, steps - 1, deadline)
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _end(proc)
+            raise SystemExit(f"run phase: the run did not end within the phase's {timeout_s:.0f} s") from None
         except BaseException:
             _end(proc)
             raise
@@ -149,7 +156,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--out", type=Path, default=common.REPO / "runs" / "in_run")
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds the run may take")
     args = ap.parse_args()
     cfg = common.load_model(args)
     sets = [*args.overrides, f"model.path={cfg.model.path}", "model.bootstrap=null"]
