@@ -532,8 +532,8 @@ def scaled_compute(part: dict, scale: float) -> dict:
 
 
 def run_phase(args, cfg, sources: dict, log) -> dict:
-    """Phase g (tools/bench/in_run.py): the config run for real; the cores its other processes use and the
-    training loop's own seconds per step."""
+    """Phase g (tools/bench/in_run.py): the config run for real; the cores its other processes use, the
+    training loop's own seconds per trained sample, and what the run measured for :func:`run_check`."""
     import in_run
 
     from async_dapo.device import resolve_device
