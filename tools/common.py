@@ -118,22 +118,35 @@ def train_command(config: str | Path, sets: Sequence[str]) -> list[str]:
 
 def run_train(config: str | Path, sets: list[str], log_path: Path, timeout_s: float, cwd: Path = REPO) -> int:
     """Run one training run to its end (its output in ``log_path``); returns the exit code. A run that
-    outlives ``timeout_s`` is ended (its process group: Ray's workers go with it) and reported as 124."""
+    outlives ``timeout_s`` is ended (:func:`end_run`) and reported as 124."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(cwd)}  # this tree's package, in the driver and every Ray worker
     with log_path.open("w") as log:
-        proc = subprocess.Popen(train_command(config, sets), cwd=cwd, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_train(config, sets, log, cwd)
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.terminate()  # the driver only: on SIGTERM it ends its actors and its own Ray instance
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:  # then the run's process group (start_new_session): ours, by PID
-                os.killpg(proc.pid, 9)
-                proc.wait(timeout=60)
+            end_run(proc)
             return 124
+
+
+def start_train(config: str | Path, sets: Sequence[str], log, cwd: Path = REPO) -> subprocess.Popen:
+    """Start one training run in its own session, its output to the open file ``log``."""
+    env = {**os.environ, "PYTHONPATH": str(cwd)}  # this tree's package, in the driver and every Ray worker
+    return subprocess.Popen(train_command(config, sets), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def end_run(proc: subprocess.Popen) -> None:
+    """End a run :func:`start_train` started: the driver first (on SIGTERM it ends its actors and its own Ray
+    instance), then, if it outlives 120 s, its process group (its own session: ours, by PID)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=60)
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -657,7 +657,7 @@ def main() -> None:
     profile = profile_from_dict(prof, str(args.out))  # validate before writing
     if "weight_load_s" in got:
         run_check(profile, cfg, got, sources)
-        profile = profile_from_dict({**prof, "sources": sources}, str(args.out))
+        profile = profile.model_copy(update={"sources": sources})
     for part in ("engine", "learner", "push", "contention"):
         for k, v in getattr(profile, part).model_dump().items():
             if v is not None:  # contention.cores: None when the roles do not share cores

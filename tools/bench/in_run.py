@@ -90,20 +90,18 @@ def measure(config: str | Path, sets: list[str], run_dir: Path, steps: int, warm
     if (moved := archive_previous_run(run_dir)) is not None:  # its steps must not count as this run's
         log(f"run: the previous run phase's directory moved to {moved}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(common.REPO)}
     deadline = time.monotonic() + timeout_s
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as out:
-        proc = subprocess.Popen(common.train_command(config, sets), cwd=common.REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = common.start_train(config, sets, out)
         try:
             first = _sample_at(proc, run_dir, warmup, deadline)
             last = _sample_at(proc, run_dir, steps - 1, deadline)
             rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _end(proc)
+            common.end_run(proc)
             raise SystemExit(f"run phase: the run did not end within the phase's {timeout_s:.0f} s") from None
         except BaseException:
-            _end(proc)
+            common.end_run(proc)
             raise
     if rc:
         raise SystemExit(f"run phase: the run exited {rc}; see {run_dir.parent / (run_dir.name + '.log')}")
@@ -123,17 +121,6 @@ def _sample_at(proc: subprocess.Popen, run_dir: Path, steps: int, deadline: floa
             raise SystemExit(f"run phase: {done} of {steps} steps before the phase's timeout")
         time.sleep(0.1)
     return {"t": time.perf_counter(), "cpu": cpu_seconds(proc.pid), "steps": done}
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """End the run we started: the driver first (it ends its actors and Ray), then its process group."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=60)
 
 
 def overhead_part(got: dict, engine_device: str, samples: int) -> tuple[dict, float, str]:
