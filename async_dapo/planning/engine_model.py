@@ -61,9 +61,11 @@ class EngineModel:
                 e.tail += dt
         e.last_t = t
 
-    def _slow(self) -> float:
+    def _slow(self, extra: int = 0) -> float:
+        """How many times slower an engine computes now; ``extra``: busy processes not counted in the state
+        (an engine that computes while its state says it waits)."""
         c = self.p.contention
-        return (c.interference(c.engine_slowdown) if self.lstate == "train" else 1.0) * c.share(self._busy())
+        return (c.interference(c.engine_slowdown) if self.lstate == "train" else 1.0) * c.share(self._busy() + extra)
 
     def _busy(self) -> int:
         """Compute processes busy now: engines decoding or working (prefill, a finished group's host work)
@@ -210,20 +212,22 @@ class EngineModel:
 
     def _enter_load(self, e: Engine, t: float) -> None:
         """``e`` waits in the load. Once every engine is in, the broadcast ends at max(start + base_s, last
-        one in) + bytes/bandwidth; each engine resumes at the later of that and its entry + engine_pause_s."""
+        one in) + bytes/bandwidth; each engine resumes at the later of that and its entry + its own pause:
+        engine_pause_s plus engine_pause_per_seq_s per sequence it held running, at its share of the cores."""
         self._set_state(e, "load", t)
-        e.update["stage"], e.update["entered"] = "load", t
+        pp = self.p.push
+        pause = pp.engine_pause_s + pp.engine_pause_per_seq_s * e.n * self._slow(extra=1)  # its own CPU work
+        e.update["stage"], e.update["ready"] = "load", t + pause
         push = self.push
         push["entered"] += 1
         push["last_enter"] = max(push["last_enter"], t)
         if push["entered"] < len(self.engines):
             return
-        pp = self.p.push
         land = max(push["t0"] + pp.base_s, push["last_enter"]) + pp.bytes / pp.bandwidth_bytes_per_s
         for other in self.engines:
             other.seg = ("resume", 0)
             other.token += 1
-            self._at(max(land, other.update["entered"] + pp.engine_pause_s), READY, other.idx, other.token)
+            self._at(max(land, other.update["ready"]), READY, other.idx, other.token)
 
     def _resume(self, e: Engine, t: float) -> None:
         """The engine runs the new version; inflight re-prefills the running context (retract dropped the

@@ -100,7 +100,7 @@ class LearnerModel:
         once no earlier-admitted group is still generating (the queue's order_wait_s bound is not modelled)."""
         if len(self.queue) < B:
             return None
-        if self.s.batch_order == "arrival":
+        if self.s.order == "arrival":
             return [self.queue.popleft() for _ in range(B)]
         ranked = sorted(self.queue, key=lambda g: g[3])[:B]
         if self.groups and min(self.groups) < ranked[-1][3]:  # groups still generating, keyed by admission

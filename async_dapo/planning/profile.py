@@ -89,6 +89,10 @@ class PushProfile(_Part):
     engine_pause_s: float = Field(..., ge=0, description="Seconds an engine does not decode per update (the "
                                   "load); inflight mode also re-prefills the running context at "
                                   "prefill_per_token_s.")
+    engine_pause_per_seq_s: float = Field(0.0, ge=0, description="Seconds added to an engine's update per "
+                                          "sequence it is running when it pauses (inflight retracts them and "
+                                          "re-queues them; abort restarts them), at the engine's share of the "
+                                          "cores then.")
     learner_stall_s: float = Field(0.0, ge=0, description="Learner seconds lost per push (before it trains on).")
 
 
@@ -119,6 +123,9 @@ class Contention(_Part):
 class Lognormal(_Part):
     median: float = Field(..., gt=0, description="Median response length (tokens).")
     sigma: float = Field(..., ge=0, description="Standard deviation of ln(length).")
+    prompt_share: float = Field(0.0, ge=0, le=1, description="Share of ln(length)'s variance that is the prompt's: "
+                                "a group's samples share that part, and an aborted sample's restart keeps it (a "
+                                "long prompt is long again); 0 = every sample independent.")
 
 
 class PromptRecord(_Part):

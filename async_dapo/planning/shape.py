@@ -28,7 +28,7 @@ class Shape:
     mini_batch_groups: int = 1 << 20  # learner.mini_batch_groups (default: one update per epoch)
     micro_batch_tokens: int = 1 << 40  # learner.micro_batch_tokens (default: one micro-batch)
     proximal: bool = False  # a proximal log-prob pass (algorithm.correction.mode != "naive")
-    batch_order: str = "arrival"  # replay.batch_order resolved: "arrival" or "admission" (no wait bound)
+    batch_order: str = "arrival"  # replay.batch_order: "arrival", "admission" (no wait bound) or "auto" (see order)
 
     def __post_init__(self) -> None:
         for name in ("B", "G", "max_inflight_prompts", "max_response_length", "every_k_steps", "epochs",
@@ -37,8 +37,8 @@ class Shape:
                 raise ValueError(f"Shape.{name} must be >= 1, got {getattr(self, name)}")
         if self.eta < 0:
             raise ValueError(f"Shape.eta must be >= 0, got {self.eta}")
-        if self.batch_order not in ("arrival", "admission"):
-            raise ValueError(f"Shape.batch_order must be 'arrival' or 'admission', got {self.batch_order!r}")
+        if self.batch_order not in ("arrival", "admission", "auto"):
+            raise ValueError(f"Shape.batch_order must be 'arrival', 'admission' or 'auto', got {self.batch_order!r}")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"Shape.update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
 
@@ -57,8 +57,14 @@ class Shape:
                    filter_groups=cfg.algorithm.dynamic_sampling.enable,
                    mini_batch_groups=cfg.learner.mini_batch_groups, micro_batch_tokens=cfg.learner.micro_batch_tokens,
                    proximal=cfg.algorithm.correction.mode != "naive",
-                   batch_order=resolved_batch_order(cfg.replay.batch_order, cfg.rollout.update_mode,
-                                                    cfg.rollout.partial_rollout))
+                   batch_order=cfg.replay.batch_order)
+
+    @property
+    def order(self) -> str:
+        """The batch order the queue uses: ``auto`` resolved against this shape's update mode, as the queue
+        resolves it (an abort with a kept prefix is already simulated as in-flight), so that a search over
+        update modes plans each with the order a run would get."""
+        return resolved_batch_order(self.batch_order, self.update_mode)
 
     def with_(self, **changes) -> "Shape":
         return replace(self, **changes)

@@ -11,7 +11,9 @@ Two ways to state it (``profile.Workload``):
   outcome (a prompt's lengths and their correlation with correctness are kept). The expected keep rate is
   then the closed form :func:`keep_rate` = mean over prompts of ``1 − p^G − (1 − p)^G``.
 * **Population figures** (the GPU profiles written from published numbers): response lengths (an empirical
-  sample or a lognormal) and a constant ``keep_rate``; every sample is independent.
+  sample or a lognormal) and a constant ``keep_rate``; every sample is independent, except that a
+  lognormal's ``prompt_share`` of ln(length)'s variance can belong to the prompt: one draw per group that
+  its samples, and their restarts after an abort, share.
 
 Drift: ``accuracy_by_version`` (mean per-sample accuracy at each policy version, from a short synchronous
 run, or an assumption) shifts every prompt's accuracy logit by the one amount that makes the population's
@@ -93,6 +95,7 @@ class WorkloadModel:
     def __init__(self, workload: Workload, max_response_length: int, rng: np.random.Generator) -> None:
         self.w, self.cap, self.rng = workload, max_response_length, rng
         self._p_cache: dict[int, np.ndarray] = {}
+        self._prompt_z: dict[int, float] = {}  # lognormal prompt_share: a prompt's standard-normal length effect
         if workload.prompts is not None:
             self._p = _accuracies(workload)
             self._by_outcome = [
@@ -111,10 +114,14 @@ class WorkloadModel:
         return self._p_cache[key]
 
     def group(self, G: int, version: int) -> tuple[int, list[Sample]]:
-        """A new prompt's G samples at policy ``version``: (prompt index, samples); prompt -1 for population
-        figures."""
+        """A new prompt's G samples at policy ``version``: (prompt index, samples); for population figures
+        prompt -1, or with a lognormal's ``prompt_share`` a new prompt's key (<= -2) to its length effect."""
         if self.w.prompts is None:
-            return -1, [Sample(L, None) for L in self._population_lengths(G)]
+            if self.w.lognormal is None or self.w.lognormal.prompt_share == 0:
+                return -1, [Sample(L, None) for L in self._population_lengths(G)]
+            key = -2 - len(self._prompt_z)
+            self._prompt_z[key] = float(self.rng.standard_normal())
+            return key, [self.resample(key, version) for _ in range(G)]
         i = int(self.rng.integers(len(self.w.prompts)))
         rec = self.w.prompts[i]
         if len(rec.lengths) == G and self._accuracy_at(version) is None:
@@ -123,8 +130,10 @@ class WorkloadModel:
 
     def resample(self, prompt: int, version: int) -> Sample:
         """One new sample of ``prompt`` (an aborted sample's restart, or a draw at an unseen G)."""
-        if prompt < 0:
+        if prompt == -1:
             return Sample(int(self._population_lengths(1)[0]), None)
+        if prompt < -1:
+            return Sample(self._lognormal_length(self._prompt_z[prompt]), None)
         ok = bool(self.rng.random() < self._p_at(version)[prompt])
         pool = self._by_outcome[prompt][ok]
         return Sample(min(int(pool[int(self.rng.integers(len(pool)))]), self.cap), ok)
@@ -135,6 +144,13 @@ class WorkloadModel:
             return self.w.keep_rate >= 1.0 or bool(self.rng.random() < self.w.keep_rate)
         right = sum(bool(s.correct) for s in samples)
         return 0 < right < len(samples)
+
+    def _lognormal_length(self, z_prompt: float) -> int:
+        """ln L = ln median + σ·(√s·z_prompt + √(1 − s)·z_sample), s = prompt_share: ln L keeps its variance σ²,
+        and two samples of one prompt share s of it."""
+        ln, s = self.w.lognormal, self.w.lognormal.prompt_share
+        z = math.sqrt(s) * z_prompt + math.sqrt(1 - s) * float(self.rng.standard_normal())
+        return int(min(max(round(math.exp(math.log(ln.median) + ln.sigma * z)), 1), self.cap))
 
     def _population_lengths(self, n: int) -> np.ndarray:
         w = self.w

@@ -71,7 +71,9 @@ def test_calibrate_quick(tmp_path):
     assert profile.contention.cores == os.cpu_count()
     assert 0 < profile.contention.background_cores < os.cpu_count()
     assert 0 < profile.learner.loop_per_sample_s < 0.01
-    assert {"run", "run_check"} <= set(profile.sources)
+    assert {"run", "run_check", "pause_per_seq"} <= set(profile.sources)
+    assert 0 <= profile.push.engine_pause_per_seq_s < 0.01  # seconds per running sequence of an update
+    assert "running sequences" in profile.sources["pause_per_seq"]
     assert (tmp_path / "tiny_run" / "metrics.jsonl").exists()
     e = profile.engine
     assert e.decode_base_s + e.decode_per_seq_s > 0 and e.max_running_seqs >= 1

@@ -136,3 +136,10 @@ def test_the_ranks_fit_is_scaled_to_the_real_learner_without_touching_its_collec
     assert scaled["per_micro_batch_s"] == pytest.approx(2.4e-3) and scaled["per_update_s"] == 0.0
     assert {k: scaled[k] for k in ("forward_share", "collective_bytes", "collective_bandwidth_bytes_per_s")} == \
         {"forward_share": 0.25, "collective_bytes": 1.5e6, "collective_bandwidth_bytes_per_s": 8e7}
+
+
+def test_the_pause_per_running_sequence_is_what_the_model_misses_per_sequence():
+    # (0.169 - 0.0816) / 762 running sequences; never below 0, and 0 with nothing running
+    assert calibrate.pause_per_seq(0.169, 0.0816, 762) == pytest.approx(0.0874 / 762, rel=1e-12)
+    assert calibrate.pause_per_seq(0.05, 0.08, 762) == 0.0
+    assert calibrate.pause_per_seq(0.169, 0.0816, 0) == 0.0

@@ -114,6 +114,26 @@ def test_measured_slowdowns_lose_the_sharing_they_contain():
     assert pl.Contention().interference(1.5) == 1.5 and pl.Contention().share(5) == 1.0
 
 
+def test_an_engine_pauses_longer_for_every_sequence_it_runs():
+    """The load's engine side: engine_pause_s plus engine_pause_per_seq_s per running sequence, at its share
+    of the cores with itself counted; the engine resumes at the later of that and the broadcast's end."""
+    from async_dapo.planning.simulator import Simulator
+
+    prof = profile(push={"engine_pause_per_seq_s": 0.002}, contention={"cores": 1.0, "background_cores": 0.5})
+    sim = Simulator(prof, Shape(B=4, G=2, eta=1, max_inflight_prompts=8), 4, 1, 0)
+    e = sim.engines[0]
+    e.n, e.update = 7, {"version": 1, "mode": "inflight", "stage": "pausing"}
+    sim.push = {"version": 1, "t0": 10.0, "entered": 0, "loaded": 0, "last_enter": 10.0}
+    sim.events.clear()
+    sim._enter_load(e, 10.2)
+    # (1 busy: itself + 0.5 background) / 1 core = 1.5; broadcast ends at 10.2 + 1e6 / 1e8 = 10.21
+    assert sim.events[0][0] == pytest.approx(10.2 + 0.03 + 0.002 * 7 * 1.5, rel=1e-12)
+    e.n, e.update, sim.push = 0, {"version": 1, "mode": "drain", "stage": "drain"}, {**sim.push, "entered": 0}
+    sim.events.clear()
+    sim._enter_load(e, 10.2)
+    assert sim.events[0][0] == pytest.approx(10.2 + 0.03, rel=1e-12)  # a drained engine runs nothing
+
+
 def test_the_loop_overhead_is_paid_every_step():
     """A learner-bound plan: each step costs the train step, the loop's own overhead and the push stall."""
     slow = profile(learner={"step_base_s": 5.0, "loop_per_sample_s": 0.25 / 8})  # 4 groups x 2 samples
@@ -189,11 +209,16 @@ def test_batch_order_auto_is_admission_only_under_abort():
     assert [resolved_batch_order(o, "abort") for o in ("arrival", "admission")] == ["arrival", "admission"]
     assert resolved_batch_order("auto", "abort", partial_rollout=True) == "arrival"  # the prefix is kept
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.update_mode=abort"])
-    assert cfg.replay.batch_order == "auto" and Shape.from_config(cfg).batch_order == "admission"
+    assert cfg.replay.batch_order == "auto" and Shape.from_config(cfg).order == "admission"
     kept = Shape.from_config(load_config("configs/tiny_cpu.yaml",
                                          ["rollout.update_mode=abort", "rollout.partial_rollout=true"]))
-    assert (kept.batch_order, kept.update_mode) == ("arrival", "inflight")  # continued after the load, as in flight
-    assert Shape.from_config(load_config("configs/tiny_cpu.yaml", [])).batch_order == "arrival"
+    assert (kept.order, kept.update_mode) == ("arrival", "inflight")  # continued after the load, as in flight
+    default = Shape.from_config(load_config("configs/tiny_cpu.yaml", []))
+    assert default.order == "arrival"
+    # a search that switches the mode plans abort with the order a run of it would get; a set order stays
+    assert default.with_(update_mode="abort").order == "admission"
+    pinned = Shape.from_config(load_config("configs/tiny_cpu.yaml", ["replay.batch_order=arrival"]))
+    assert pinned.with_(update_mode="abort").order == "arrival"
 
 
 def test_abort_wastes_tokens_and_drain_idles_the_engines():

@@ -65,6 +65,33 @@ def test_a_restart_is_a_new_sample_of_the_same_prompt():
     assert {(s.length, s.correct) for s in draws} == {(40, False)}  # capped at max_response_length
 
 
+def lognormal_model(share: float, seed: int = 4, cap: int = 1 << 30) -> WorkloadModel:
+    w = workload(prompts=None, lognormal={"median": 1000.0, "sigma": 0.8, "prompt_share": share}, keep_rate=0.5)
+    return WorkloadModel(w, cap, np.random.default_rng(seed))
+
+
+def test_a_lognormal_prompt_share_splits_the_length_variance_between_and_within_groups():
+    """ln L = ln 1000 + 0.8·(√s·z_prompt + √(1 − s)·z_sample): at s = 1 a group and its restarts are one
+    length; at s = 0.36 the groups' ln-means vary by 0.36·0.64 (+ the within part / G) and the samples within
+    a group by 0.64·0.64, so ln L keeps its variance 0.64."""
+    model = lognormal_model(1.0)
+    key, samples = model.group(4, 0)
+    assert key <= -2 and len({smp.length for smp in samples}) == 1 and samples[0].correct is None
+    assert model.resample(key, 3).length == samples[0].length  # an aborted sample is as long again
+    model = lognormal_model(0.36)
+    ln = np.log([[smp.length for smp in model.group(4, 0)[1]] for _ in range(20_000)])
+    within = ln.var(axis=1, ddof=1).mean()
+    assert within == pytest.approx(0.64 * 0.64, rel=0.03)
+    assert ln.mean(axis=1).var(ddof=1) == pytest.approx(0.36 * 0.64 + within / 4, rel=0.03)
+    assert ln.var() == pytest.approx(0.64, rel=0.03)
+
+
+def test_without_a_prompt_share_a_lognormal_group_is_independent_population_draws():
+    a, b = lognormal_model(0.0, seed=5), lognormal_model(0.0, seed=5)
+    key, samples = a.group(4, 0)
+    assert key == -1 and [smp.length for smp in samples] == list(b._population_lengths(4))
+
+
 def test_drift_moves_every_prompts_accuracy_to_the_stated_mean():
     w = workload(accuracy_by_version=[0.4375, 0.8])
     # version 0: the recorded mean accuracy (7/16) -> the closed form on the recorded p, now also at G = 4

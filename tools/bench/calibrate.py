@@ -48,9 +48,12 @@ f. ``ranks``: the learner against ranks (tools/bench/learner_ranks.py: the real 
 g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other processes keep busy (driver,
    replay queue, rollout actors' host side, Ray) -> contention.background_cores, this machine's CPUs ->
    contention.cores (engines on CPU only), and the training loop's own seconds per trained sample ->
-   learner.loop_per_sample_s. The run's steps/s and engine time per update (``perf/weight_load_s``) are
-   written beside the planner's prediction of them, as a check (not fitted). The only phase that runs
-   train and generate coupled; it measures what the roles alone cannot, and none of the roles' figures.
+   learner.loop_per_sample_s. The engines' seconds per update (``perf/weight_load_s``) beyond the model's
+   prediction without it, per sequence they run (occupancy x window x G, at most max_running_seqs) ->
+   push.engine_pause_per_seq_s (inflight and abort: pausing retracts or aborts them; 0 for drain). The run's
+   steps/s and engine time per update are then written beside the planner's prediction of them, as a check.
+   The only phase that runs train and generate coupled; it measures what the roles alone cannot, and none
+   of the roles' figures.
 
 ``--quick``: fewer points and batches (a CI-size smoke, about 3 minutes with the tiny model on 2 cores; its
 numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
@@ -549,7 +552,36 @@ def run_phase(args, cfg, sources: dict, log) -> dict:
     steps = got["steps"]
     return {"sharing": sharing, "loop_per_sample_s": per_sample,
             "weight_load_s": statistics.fmean(r["perf/weight_load_s"] for r in steps),
+            "occupancy": statistics.fmean(r["perf/rollout_occupancy"] for r in steps),
             "run_steps_per_s": (len(steps) - 1) / (steps[-1]["time"] - steps[0]["time"])}
+
+
+def pause_per_seq(load_s: float, predicted_s: float, running: float) -> float:
+    """push.engine_pause_per_seq_s: the run's engine seconds per update beyond what the model predicts
+    without the term (the transfer, the idle engine's own load, the wait for the running iteration), per
+    sequence the engine runs (never below 0; 0 when it runs none)."""
+    return max(0.0, load_s - predicted_s) / running if running > 0 else 0.0
+
+
+def pause_part(profile, cfg, got: dict, sources: dict):
+    """The profile with push.engine_pause_per_seq_s measured from the run phase's updates (inflight and abort
+    pause running sequences; drain runs none when it loads: 0)."""
+    from async_dapo.planning import Shape, predict
+
+    shape = Shape.from_config(cfg)
+    if shape.update_mode == "drain":
+        sources["pause_per_seq"] = "the run drains before its loads (no sequence is paused): 0"
+        return profile
+    pred = predict(profile, shape, steps=30, warmup=6, sync_baseline=False)
+    held = got["occupancy"] * shape.max_inflight_prompts * shape.G  # running and queued, mean per engine
+    running = min(held, profile.engine.max_running_seqs)
+    per_seq = pause_per_seq(got["weight_load_s"], pred.weight_load_s, running)
+    sources["pause_per_seq"] = (f"{_now()}: the run phase's engine seconds per update (perf/weight_load_s) "
+                                f"{got['weight_load_s']:.4f} minus the model's {pred.weight_load_s:.4f} without "
+                                f"the term, / {running:.0f} running sequences (occupancy {got['occupancy']:.3f} x "
+                                f"{shape.max_inflight_prompts} x {shape.G}, at most max_running_seqs) = {per_seq:.3e}")
+    push = profile.push.model_copy(update={"engine_pause_per_seq_s": per_seq})
+    return profile.model_copy(update={"push": push})
 
 
 def run_check(profile, cfg, got: dict, sources: dict) -> None:
@@ -656,6 +688,7 @@ def main() -> None:
 
     profile = profile_from_dict(prof, str(args.out))  # validate before writing
     if "weight_load_s" in got:
+        profile = pause_part(profile, cfg, got, sources)
         run_check(profile, cfg, got, sources)
         profile = profile.model_copy(update={"sources": sources})
     for part in ("engine", "learner", "push", "contention"):

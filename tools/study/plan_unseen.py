@@ -5,11 +5,14 @@ gives every figure's error against the targets (steps/s ±15 %, mean staleness �
 a diagnostic: steps/s predicted again with the run's own measured accuracy as keep's drift.
 
     python tools/study/plan_unseen.py --profile runs/calibrate/tiny.yaml [--configs 8] [--seed 0]
-                                      [--steps 24 --warmup 6] [--out runs/plan_unseen]
+                                      [--steps 24 --warmup 6] [--repeats 1] [--out runs/plan_unseen]
 
 The runs are normal ``async-dapo train`` runs (validation and checkpoints off), measured as
-tools/bench/throughput.py measures a mode (its ``summarize``: the steps after the warm-up). ``--list`` prints
-the drawn configs without running them. A run whose metrics already hold its end is not run again.
+tools/bench/throughput.py measures a mode (its ``summarize``: the steps after the warm-up). ``--repeats N``
+runs every config N times, round by round (c0..c7, then c0..c7 again: a drift of the shared machine's speed
+lands on every config alike); the measured figures are the rounds' mean, and ``steps_per_s_spread`` is
+(max − min) / mean over them. ``--list`` prints the drawn configs without running them. A run whose metrics
+already hold its end is not run again.
 """
 
 from __future__ import annotations
@@ -78,6 +81,19 @@ def compare(pred: dict, meas: dict) -> dict:
     return row
 
 
+def mean_of(runs: list[dict]) -> dict:
+    """The rounds' mean of every figure of :func:`throughput.summarize`, and the spread of steps/s."""
+    out = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+    per_s = [r["steps_per_s"] for r in runs]
+    out["steps_per_s_spread"] = (max(per_s) - min(per_s)) / out["steps_per_s"]
+    return out
+
+
+def run_dir_of(out: Path, name: str, round_: int) -> Path:
+    """The first round in ``out/<name>`` (as a single run), later ones in ``out/<name>_r<k>``."""
+    return out / (name if round_ == 0 else f"{name}_r{round_}")
+
+
 def at_measured_accuracy(pl, profile, shape, meas: dict) -> dict:
     """A diagnostic, not the validation: steps/s predicted with keep's drift stated as the run's own mean
     accuracy (``accuracy_by_version`` = [received_acc]: every prompt's accuracy shifted to it), separating
@@ -100,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--out", type=Path, default=common.REPO / "runs" / "plan_unseen")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds one run may take")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds: every config run this many times, round by "
+                    "round; the table has their mean and spread (default %(default)s)")
     ap.add_argument("--list", action="store_true", help="print the drawn configs and exit")
     args = ap.parse_args(argv)
     drawn = draw(args.configs, args.seed)
@@ -112,24 +130,32 @@ def main(argv=None) -> int:
     from async_dapo import planning as pl
 
     profile = pl.load_profile(args.profile)
+    measured: dict[str, list[dict]] = {c["name"]: [] for c in drawn}
+    for round_ in range(args.repeats):
+        for c in drawn:
+            run_dir = run_dir_of(args.out, c["name"], round_)
+            sets = sets_for(c, args.steps, run_dir)
+            if not common.finished(run_dir, args.steps):
+                log = run_dir.parent / f"{run_dir.name}.log"
+                rc = common.run_train(CONFIG, sets, log, args.timeout)
+                if rc:
+                    print(f"{run_dir.name}: exit {rc}; see {log}", flush=True)
+                    continue
+            measured[c["name"]].append(summarize(run_dir, common.load_config(CONFIG, sets), args.warmup))
+            print(f"{run_dir.name}: {measured[c['name']][-1]['steps_per_s']:.3f} steps/s", flush=True)
     rows = []
     for c in drawn:
-        run_dir = args.out / c["name"]
-        sets = sets_for(c, args.steps, run_dir)
-        cfg = common.load_config(CONFIG, sets)
-        if not common.finished(run_dir, args.steps):
-            rc = common.run_train(CONFIG, sets, args.out / f"{c['name']}.log", args.timeout)
-            if rc:
-                print(f"{c['name']}: exit {rc}; see {args.out / (c['name'] + '.log')}", flush=True)
-                continue
-        meas = summarize(run_dir, cfg, args.warmup)
-        shape = pl.Shape.from_config(cfg)
+        if not measured[c["name"]]:
+            continue
+        meas = mean_of(measured[c["name"]])
+        shape = pl.Shape.from_config(common.load_config(CONFIG, sets_for(c, args.steps, args.out / c["name"])))
         pred = pl.predict(profile, shape, 60, 10, sync_baseline=False).row()
-        rows.append({**c, **compare(pred, meas), **at_measured_accuracy(pl, profile, shape, meas)})
+        rows.append({**c, **compare(pred, meas), "runs": len(measured[c["name"]]),
+                     "steps_per_s_spread": meas["steps_per_s_spread"], **at_measured_accuracy(pl, profile, shape, meas)})
         print(rows[-1], flush=True)
     cols = ["name", *SPACE] + [f"{k}_{s}" for k in TARGETS for s in ("pred", "meas", "err", "ok")] + [
-        "keep_pred", "keep_meas", "steps_per_s_pred_at_acc", "steps_per_s_err_at_acc"]
-    fmt = {c: ".3f" for c in cols if c.endswith(("_pred", "_meas", "_err"))}
+        "runs", "steps_per_s_spread", "keep_pred", "keep_meas", "steps_per_s_pred_at_acc", "steps_per_s_err_at_acc"]
+    fmt = {c: ".3f" for c in cols if c.endswith(("_pred", "_meas", "_err", "_spread"))}
     print(common.write_table(rows, cols, args.out / "table.md", args.out / "table.csv", fmt), flush=True)
     met = sum(r["steps_per_s_ok"] for r in rows)
     print(f"steps/s within ±15 % on {met} of {len(rows)} configs", flush=True)
