@@ -143,3 +143,23 @@ def test_the_pause_per_running_sequence_is_what_the_model_misses_per_sequence():
     assert calibrate.pause_per_seq(0.169, 0.0816, 762) == pytest.approx(0.0874 / 762, rel=1e-12)
     assert calibrate.pause_per_seq(0.05, 0.08, 762) == 0.0
     assert calibrate.pause_per_seq(0.169, 0.0816, 0) == 0.0
+
+
+def test_the_pause_term_is_measured_against_the_model_without_it():
+    """A --base profile may already carry a pause term: the run's excess is taken over the model without it,
+    so the measured figure does not depend on the one it replaces; a draining run keeps the profile's."""
+    from async_dapo.config import load_config
+    from async_dapo.planning import load_profile
+
+    cfg = load_config("configs/tiny_cpu.yaml", [])
+    base = load_profile("configs/profiles/cpu_tiny.yaml")
+    with_term = base.model_copy(update={"push": base.push.model_copy(update={"engine_pause_per_seq_s": 0.01})})
+    got = {"weight_load_s": 0.5, "occupancy": 0.25}  # 0.25 x 192 x 8 = 384 running (under max_running_seqs)
+    a = calibrate.pause_part(with_term, cfg, got, {}).push.engine_pause_per_seq_s
+    b = calibrate.pause_part(base.model_copy(update={"push": base.push.model_copy(
+        update={"engine_pause_per_seq_s": 0.0})}), cfg, got, {}).push.engine_pause_per_seq_s
+    assert a == b and 0 < a < 0.5 / 384
+    drain = load_config("configs/tiny_cpu.yaml", ["rollout.update_mode=drain", "rollout.drain_timeout_s=30"])
+    sources = {}
+    assert calibrate.pause_part(with_term, drain, got, sources).push.engine_pause_per_seq_s == 0.01
+    assert sources["pause_per_seq"].startswith("not measured")

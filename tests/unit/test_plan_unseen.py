@@ -32,3 +32,9 @@ def test_the_drawn_configs_are_seeded_distinct_and_fit_two_cores():
     assert len({tuple(c.values()) for c in drawn}) == 8
     assert all(c["engines"] + c["ranks"] <= 3 for c in drawn)
     assert all(c["update_mode"] == "inflight" for c in drawn if c["eta"] == 0)
+
+
+def test_repeats_below_one_is_one_clear_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        plan_unseen.main(["--profile", "none.yaml", "--repeats", "0"])
+    assert exc.value.code == 2 and "--repeats must be >= 1, got 0" in capsys.readouterr().err

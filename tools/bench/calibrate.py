@@ -570,9 +570,11 @@ def pause_part(profile, cfg, got: dict, sources: dict):
 
     shape = Shape.from_config(cfg)
     if shape.update_mode == "drain":
-        sources["pause_per_seq"] = "the run drains before its loads (no sequence is paused): 0"
+        sources["pause_per_seq"] = ("not measured: the run drains before its loads (no sequence is paused); "
+                                    f"kept {profile.push.engine_pause_per_seq_s:.3e}")
         return profile
-    pred = predict(profile, shape, steps=30, warmup=6, sync_baseline=False)
+    without = profile.model_copy(update={"push": profile.push.model_copy(update={"engine_pause_per_seq_s": 0.0})})
+    pred = predict(without, shape, steps=30, warmup=6, sync_baseline=False)  # a --base profile may carry one
     held = got["occupancy"] * shape.max_inflight_prompts * shape.G  # running and queued, mean per engine
     running = min(held, profile.engine.max_running_seqs)
     per_seq = pause_per_seq(got["weight_load_s"], pred.weight_load_s, running)

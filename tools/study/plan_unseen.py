@@ -120,6 +120,8 @@ def main(argv=None) -> int:
                     "round; the table has their mean and spread (default %(default)s)")
     ap.add_argument("--list", action="store_true", help="print the drawn configs and exit")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     drawn = draw(args.configs, args.seed)
     if args.list:
         for c in drawn:
