@@ -46,6 +46,7 @@ _REPLAY_TAGS = {
     "open_tickets": "replay/open_tickets", "forced_batches": "replay/forced_batches",
     "last_batch_length_ratio": "replay/trained_length_ratio", "received_tokens": "replay/received_tokens",
     "handed_out_tokens": "replay/handed_out_tokens", "handed_out_samples": "replay/handed_out_samples",
+    "last_batch_acc_ratio": "replay/trained_acc_ratio", "handed_out_correct": "replay/handed_out_correct",
     # progress reports of the groups in flight (rollout.partial_every_s)
     "partials_received": "replay/partials_received", "partials_unexpected": "replay/partials_unexpected",
     "partials_held": "replay/partials_held", "partials_carried": "replay/partials_carried",

@@ -189,13 +189,18 @@ class ReplayStats:
     received_tokens: int = 0  # response tokens of the groups that arrived, kept or dropped
     handed_out_samples: int = 0
     handed_out_tokens: int = 0  # response tokens handed out (trained)
+    handed_out_correct: int = 0  # samples handed out whose accuracy counts as correct
     # response tokens of dropped groups by reason: filtered (dynamic sampling), stale, capacity
     wasted_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WASTE_REASONS, 0))
     # the last batch's mean response length / the mean length of every group that arrived since the batch
     # before it (kept or not): < 1 when batches favour short responses
     last_batch_length_ratio: float = 0.0
+    # the same for accuracy, the prompts' difficulty as the policy that sampled them sees it: > 1 when
+    # batches favour easy prompts (dynamic sampling alone moves it: all-wrong groups are never trained)
+    last_batch_acc_ratio: float = 0.0
     _window_tokens: int = 0  # arrivals since the last hand-out
     _window_samples: int = 0
+    _window_correct: int = 0
 
     @property
     def running(self) -> int:
@@ -361,6 +366,7 @@ class ReplayPolicy(Generic[G]):
         stats.received_tokens += tokens
         stats._window_tokens += tokens
         stats._window_samples += len(accuracies)
+        stats._window_correct += sum(map(bool, accuracies))
         self._arrivals += 1
         if outcome == ACCEPTED:
             self._enqueue(group, self._arrivals if order is None else order)
@@ -440,11 +446,15 @@ class ReplayPolicy(Generic[G]):
         stats = self.stats
         samples = sum(len(tuple(group.accuracies)) for group in batch)
         tokens = sum(int(group.num_tokens) for group in batch)
+        correct = sum(sum(map(bool, group.accuracies)) for group in batch)
         stats.handed_out_samples += samples
         stats.handed_out_tokens += tokens
+        stats.handed_out_correct += correct
         if stats._window_samples and stats._window_tokens:
             stats.last_batch_length_ratio = (tokens / max(samples, 1)) / (stats._window_tokens / stats._window_samples)
-        stats._window_tokens = stats._window_samples = 0
+        if stats._window_samples and stats._window_correct:
+            stats.last_batch_acc_ratio = (correct / max(samples, 1)) / (stats._window_correct / stats._window_samples)
+        stats._window_tokens = stats._window_samples = stats._window_correct = 0
         stats.batches += 1
         stats.last_batch_staleness_mean = sum(values) / len(values)
         stats.last_batch_staleness_max = max(values)

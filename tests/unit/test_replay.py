@@ -210,7 +210,7 @@ def test_dynamic_sampling_drops_counted_by_reason():
     assert (s.received_samples, s.received_correct) == (9, 5)
 
 
-def test_wasted_tokens_by_reason_and_the_trained_length_ratio_hand_computed():
+def test_wasted_tokens_by_reason_and_the_trained_length_and_accuracy_ratios_hand_computed():
     policy, versions = make(b=2, eta=0, capacity=4)
     policy.admit(2)
     # filtered: an all-correct group of 30 tokens; kept: 20 and 60 tokens (2 samples each)
@@ -223,9 +223,18 @@ def test_wasted_tokens_by_reason_and_the_trained_length_ratio_hand_computed():
     # batch: 80 tokens over 4 samples = 20 per sample; arrivals since the last batch: 110 over 6 samples
     assert s.last_batch_length_ratio == pytest.approx(20 / (110 / 6), rel=1e-12)  # 12/11
     assert (s.received_tokens, s.handed_out_tokens, s.handed_out_samples) == (110, 80, 4)
+    # accuracy: the batch 2 correct of 4 samples; the window 2 + 1 + 1 = 4 correct of 6
+    assert s.last_batch_acc_ratio == pytest.approx((2 / 4) / (4 / 6), rel=1e-12)  # 3/4
+    assert (s.handed_out_correct, s.received_correct) == (2, 4)
     versions.advance()
     policy.admit(2)
-    arrive(policy, grp(0, tokens=40))  # v = 1, η = 0: stale on arrival
+    arrive(policy, grp(1, accuracies=(True, False, False, False), tokens=8), grp(1, tokens=4))  # a new window
+    policy.take_batch()
+    assert s.last_batch_acc_ratio == pytest.approx((2 / 6) / (2 / 6), rel=1e-12)  # the window restarted
+    assert s.last_batch_length_ratio == pytest.approx((12 / 6) / (12 / 6), rel=1e-12)
+    versions.advance()
+    policy.admit(2)
+    arrive(policy, grp(0, tokens=40))  # v = 2, η = 0: stale on arrival
     assert s.wasted_tokens["stale"] == 40
     assert policy.stats.snapshot()["wasted_tokens/stale"] == 40
 
