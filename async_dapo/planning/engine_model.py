@@ -213,10 +213,12 @@ class EngineModel:
     def _enter_load(self, e: Engine, t: float) -> None:
         """``e`` waits in the load. Once every engine is in, the broadcast ends at max(start + base_s, last
         one in) + bytes/bandwidth; each engine resumes at the later of that and its entry + its own pause:
-        engine_pause_s plus engine_pause_per_seq_s per sequence it held running, at its share of the cores."""
+        engine_pause_s plus engine_pause_per_seq_s per sequence it holds, running or waiting for room (the
+        update goes through the engine's whole request table, not only its batch), at its share of the cores."""
         self._set_state(e, "load", t)
         pp = self.p.push
-        pause = pp.engine_pause_s + pp.engine_pause_per_seq_s * e.n * self._slow(extra=1)  # its own CPU work
+        held = e.n + len(e.waiting)
+        pause = pp.engine_pause_s + pp.engine_pause_per_seq_s * held * self._slow(extra=1)  # its own CPU work
         e.update["stage"], e.update["ready"] = "load", t + pause
         push = self.push
         push["entered"] += 1

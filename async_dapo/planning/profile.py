@@ -90,9 +90,9 @@ class PushProfile(_Part):
                                   "load); inflight mode also re-prefills the running context at "
                                   "prefill_per_token_s.")
     engine_pause_per_seq_s: float = Field(0.0, ge=0, description="Seconds added to an engine's update per "
-                                          "sequence it is running when it pauses (inflight retracts them and "
-                                          "re-queues them; abort restarts them), at the engine's share of the "
-                                          "cores then.")
+                                          "sequence it holds when it pauses, running or waiting for room "
+                                          "(inflight retracts the running ones and re-queues them; abort "
+                                          "restarts them), at the engine's share of the cores then.")
     learner_stall_s: float = Field(0.0, ge=0, description="Learner seconds lost per push (before it trains on).")
 
 

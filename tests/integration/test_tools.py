@@ -72,8 +72,8 @@ def test_calibrate_quick(tmp_path):
     assert 0 < profile.contention.background_cores < os.cpu_count()
     assert 0 < profile.learner.loop_per_sample_s < 0.01
     assert {"run", "run_check", "pause_per_seq"} <= set(profile.sources)
-    assert 0 <= profile.push.engine_pause_per_seq_s < 0.01  # seconds per running sequence of an update
-    assert "running sequences" in profile.sources["pause_per_seq"]
+    assert 0 <= profile.push.engine_pause_per_seq_s < 0.01  # seconds per sequence held in an update
+    assert "sequences held, running or queued" in profile.sources["pause_per_seq"]
     assert (tmp_path / "tiny_run" / "metrics.jsonl").exists()
     e = profile.engine
     assert e.decode_base_s + e.decode_per_seq_s > 0 and e.max_running_seqs >= 1

@@ -138,8 +138,8 @@ def test_the_ranks_fit_is_scaled_to_the_real_learner_without_touching_its_collec
         {"forward_share": 0.25, "collective_bytes": 1.5e6, "collective_bandwidth_bytes_per_s": 8e7}
 
 
-def test_the_pause_per_running_sequence_is_what_the_model_misses_per_sequence():
-    # (0.169 - 0.0816) / 762 running sequences; never below 0, and 0 with nothing running
+def test_the_pause_per_held_sequence_is_what_the_model_misses_per_sequence():
+    # (0.169 - 0.0816) / 762 sequences held; never below 0, and 0 with nothing held
     assert calibrate.pause_per_seq(0.169, 0.0816, 762) == pytest.approx(0.0874 / 762, rel=1e-12)
     assert calibrate.pause_per_seq(0.05, 0.08, 762) == 0.0
     assert calibrate.pause_per_seq(0.169, 0.0816, 0) == 0.0
@@ -154,11 +154,14 @@ def test_the_pause_term_is_measured_against_the_model_without_it():
     cfg = load_config("configs/tiny_cpu.yaml", [])
     base = load_profile("configs/profiles/cpu_tiny.yaml")
     with_term = base.model_copy(update={"push": base.push.model_copy(update={"engine_pause_per_seq_s": 0.01})})
-    got = {"weight_load_s": 0.5, "occupancy": 0.25}  # 0.25 x 192 x 8 = 384 running (under max_running_seqs)
+    got = {"weight_load_s": 0.5, "occupancy": 0.25}  # 0.25 x 192 x 8 = 384 sequences held
     a = calibrate.pause_part(with_term, cfg, got, {}).push.engine_pause_per_seq_s
     b = calibrate.pause_part(base.model_copy(update={"push": base.push.model_copy(
         update={"engine_pause_per_seq_s": 0.0})}), cfg, got, {}).push.engine_pause_per_seq_s
     assert a == b and 0 < a < 0.5 / 384
+    # more than max_running_seqs (762) held: every one counts, queued or running
+    full = calibrate.pause_part(with_term, cfg, {**got, "occupancy": 0.75}, {}).push.engine_pause_per_seq_s
+    assert full == pytest.approx(a * 384 / 1152, rel=1e-9)  # the same excess over 0.75 x 192 x 8 = 1152
     drain = load_config("configs/tiny_cpu.yaml", ["rollout.update_mode=drain", "rollout.drain_timeout_s=30"])
     sources = {}
     assert calibrate.pause_part(with_term, drain, got, sources).push.engine_pause_per_seq_s == 0.01

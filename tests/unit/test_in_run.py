@@ -30,6 +30,18 @@ def test_cores_by_role_splits_schedulers_learner_ranks_and_the_rest():
     assert cores["background"] == pytest.approx((0.4 + 0.8 + 0.4) / 4.0)
 
 
+def test_cores_by_name_counts_each_process_name_and_a_ray_actor_whatever_method_it_runs():
+    """The same samples by name: the replay queue under one name across its methods, largest first."""
+    before = {10: (5.0, "sglang::scheduler"), 7: (2.0, "ray::LearnerWorker"), 1: (3.0, "python"),
+              2: (1.0, "ray::ReplayQueue.admit"), 3: (0.0, "ray::ReplayQueue")}
+    after = {10: (8.2, "sglang::scheduler"), 7: (3.6, "ray::LearnerWorker"), 1: (3.4, "python"),
+             2: (1.8, "ray::ReplayQueue.get_batch"), 3: (0.4, "ray::ReplayQueue"), 11: (0.2, "sglang::detokenizer")}
+    cores = in_run.cores_by_name(before, after, 4.0, learner_pids={7})
+    assert list(cores) == ["sglang::scheduler", "learner", "ray::ReplayQueue", "python", "sglang::detokenizer"]
+    assert cores["ray::ReplayQueue"] == pytest.approx((0.8 + 0.4) / 4.0)
+    assert cores["sglang::scheduler"] == pytest.approx(0.8) and cores["python"] == pytest.approx(0.1)
+
+
 def test_loop_overhead_is_the_step_minus_its_wait_train_and_push_calls():
     steps = [{"perf/time_per_step": 1.0, "perf/wait_data_s": 0.5, "perf/update_actor_s": 0.4,
               "perf/weight_push_stall_s": 0.02},

@@ -38,3 +38,25 @@ def test_repeats_below_one_is_one_clear_error(capsys):
     with pytest.raises(SystemExit) as exc:
         plan_unseen.main(["--profile", "none.yaml", "--repeats", "0"])
     assert exc.value.code == 2 and "--repeats must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_step_parts_are_the_rounds_means_of_training_wait_and_samples_finished(tmp_path):
+    import json
+
+    def run(name, steps):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": i + 1, "time": t, "perf/time_per_step": step, "perf/wait_data_s": wait,
+             "perf/weight_push_stall_s": stall, "replay/received_samples": n}) + "\n"
+            for i, (t, step, wait, stall, n) in enumerate(steps)))
+        return d
+
+    # round 1, after 1 warm-up step: steps of 0.5 s (0.1 waiting, 0.05 stalled), 100 samples in 2 s
+    one = run("c0", [(0.0, 9.0, 9.0, 9.0, 0), (1.0, 0.5, 0.1, 0.05, 40), (3.0, 0.5, 0.1, 0.05, 140)])
+    # round 2: steps of 1.0 s (0.3 waiting, none stalled), 60 samples in 1 s
+    two = run("c0_r1", [(0.0, 9.0, 9.0, 9.0, 0), (2.0, 1.0, 0.3, 0.0, 10), (3.0, 1.0, 0.3, 0.0, 70)])
+    got = plan_unseen.step_parts([one, two], 1)
+    assert got["train_s"] == pytest.approx((0.35 + 0.35 + 0.7 + 0.7) / 4)
+    assert got["wait_s"] == pytest.approx((0.1 + 0.1 + 0.3 + 0.3) / 4)
+    assert got["samples_per_s"] == pytest.approx((100 / 2 + 60 / 1) / 2)

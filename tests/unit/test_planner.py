@@ -114,20 +114,23 @@ def test_measured_slowdowns_lose_the_sharing_they_contain():
     assert pl.Contention().interference(1.5) == 1.5 and pl.Contention().share(5) == 1.0
 
 
-def test_an_engine_pauses_longer_for_every_sequence_it_runs():
-    """The load's engine side: engine_pause_s plus engine_pause_per_seq_s per running sequence, at its share
-    of the cores with itself counted; the engine resumes at the later of that and the broadcast's end."""
+def test_an_engine_pauses_longer_for_every_sequence_it_holds():
+    """The load's engine side: engine_pause_s plus engine_pause_per_seq_s per sequence it holds, running or
+    waiting for room, at its share of the cores with itself counted; the engine resumes at the later of that
+    and the broadcast's end."""
     from async_dapo.planning.simulator import Simulator
 
     prof = profile(push={"engine_pause_per_seq_s": 0.002}, contention={"cores": 1.0, "background_cores": 0.5})
     sim = Simulator(prof, Shape(B=4, G=2, eta=1, max_inflight_prompts=8), 4, 1, 0)
     e = sim.engines[0]
     e.n, e.update = 7, {"version": 1, "mode": "inflight", "stage": "pausing"}
+    e.waiting.extend([101, 102, 103])  # admitted, no room yet
     sim.push = {"version": 1, "t0": 10.0, "entered": 0, "loaded": 0, "last_enter": 10.0}
     sim.events.clear()
     sim._enter_load(e, 10.2)
     # (1 busy: itself + 0.5 background) / 1 core = 1.5; broadcast ends at 10.2 + 1e6 / 1e8 = 10.21
-    assert sim.events[0][0] == pytest.approx(10.2 + 0.03 + 0.002 * 7 * 1.5, rel=1e-12)
+    assert sim.events[0][0] == pytest.approx(10.2 + 0.03 + 0.002 * (7 + 3) * 1.5, rel=1e-12)
+    e.waiting.clear()
     e.n, e.update, sim.push = 0, {"version": 1, "mode": "drain", "stage": "drain"}, {**sim.push, "entered": 0}
     sim.events.clear()
     sim._enter_load(e, 10.2)

@@ -49,7 +49,7 @@ g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other p
    replay queue, rollout actors' host side, Ray) -> contention.background_cores, this machine's CPUs ->
    contention.cores (engines on CPU only), and the training loop's own seconds per trained sample ->
    learner.loop_per_sample_s. The engines' seconds per update (``perf/weight_load_s``) beyond the model's
-   prediction without it, per sequence they run (occupancy x window x G, at most max_running_seqs) ->
+   prediction without it, per sequence they hold, running or queued (occupancy x window x G) ->
    push.engine_pause_per_seq_s (inflight and abort: pausing retracts or aborts them; 0 for drain). The run's
    steps/s and engine time per update are then written beside the planner's prediction of them, as a check.
    The only phase that runs train and generate coupled; it measures what the roles alone cannot, and none
@@ -556,16 +556,16 @@ def run_phase(args, cfg, sources: dict, log) -> dict:
             "run_steps_per_s": (len(steps) - 1) / (steps[-1]["time"] - steps[0]["time"])}
 
 
-def pause_per_seq(load_s: float, predicted_s: float, running: float) -> float:
+def pause_per_seq(load_s: float, predicted_s: float, held: float) -> float:
     """push.engine_pause_per_seq_s: the run's engine seconds per update beyond what the model predicts
     without the term (the transfer, the idle engine's own load, the wait for the running iteration), per
-    sequence the engine runs (never below 0; 0 when it runs none)."""
-    return max(0.0, load_s - predicted_s) / running if running > 0 else 0.0
+    sequence the engine holds, running or queued (never below 0; 0 when it holds none)."""
+    return max(0.0, load_s - predicted_s) / held if held > 0 else 0.0
 
 
 def pause_part(profile, cfg, got: dict, sources: dict):
     """The profile with push.engine_pause_per_seq_s measured from the run phase's updates (inflight and abort
-    pause running sequences; drain runs none when it loads: 0)."""
+    pause the sequences the engine holds; drain holds none when it loads: kept)."""
     from async_dapo.planning import Shape, predict
 
     shape = Shape.from_config(cfg)
@@ -575,13 +575,13 @@ def pause_part(profile, cfg, got: dict, sources: dict):
         return profile
     without = profile.model_copy(update={"push": profile.push.model_copy(update={"engine_pause_per_seq_s": 0.0})})
     pred = predict(without, shape, steps=30, warmup=6, sync_baseline=False)  # a --base profile may carry one
-    held = got["occupancy"] * shape.max_inflight_prompts * shape.G  # running and queued, mean per engine
-    running = min(held, profile.engine.max_running_seqs)
-    per_seq = pause_per_seq(got["weight_load_s"], pred.weight_load_s, running)
+    # rollout/occupancy counts the engine's request table: running and queued, mean per engine
+    held = got["occupancy"] * shape.max_inflight_prompts * shape.G
+    per_seq = pause_per_seq(got["weight_load_s"], pred.weight_load_s, held)
     sources["pause_per_seq"] = (f"{_now()}: the run phase's engine seconds per update (perf/weight_load_s) "
                                 f"{got['weight_load_s']:.4f} minus the model's {pred.weight_load_s:.4f} without "
-                                f"the term, / {running:.0f} running sequences (occupancy {got['occupancy']:.3f} x "
-                                f"{shape.max_inflight_prompts} x {shape.G}, at most max_running_seqs) = {per_seq:.3e}")
+                                f"the term, / {held:.0f} sequences held, running or queued (occupancy "
+                                f"{got['occupancy']:.3f} x {shape.max_inflight_prompts} x {shape.G}) = {per_seq:.3e}")
     push = profile.push.model_copy(update={"engine_pause_per_seq_s": per_seq})
     return profile.model_copy(update={"push": push})
 

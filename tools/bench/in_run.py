@@ -13,6 +13,9 @@ This phase runs the config for real (``async-dapo train``, validation and checkp
   push call (``perf/time_per_step − perf/wait_data_s − perf/update_actor_s − perf/weight_push_stall_s``),
   per trained sample: handing the batch over, its metrics and its logs grow with it.
 
+Run alone, it also prints the cores used per process name (the learner ranks as ``learner``) and the
+window's steps/s and samples finished per second.
+
     python tools/bench/in_run.py --config configs/tiny_cpu.yaml [--set k=v ...] [--steps 24 --warmup 8]
 """
 
@@ -50,6 +53,17 @@ def cpu_seconds(root_pid: int) -> dict[int, tuple[float, str]]:
         except psutil.Error:  # ended between the listing and the read
             continue
     return out
+
+
+def cores_by_name(before: dict, after: dict, wall_s: float, learner_pids: set[int]) -> dict[str, float]:
+    """CPU cores used over ``wall_s`` per process name (the learner ranks as ``learner``), largest first: where
+    the background goes (the rollout actors' host side, the replay queue, the driver, Ray). A Ray actor's
+    title names the method it runs now (``ray::ReplayQueue.get_batch``): counted under the actor."""
+    used: dict[str, float] = {}
+    for pid, (cpu, name) in after.items():
+        key = "learner" if pid in learner_pids else name.split(".")[0] if name.startswith("ray::") else name
+        used[key] = used.get(key, 0.0) + max(0.0, cpu - before.get(pid, (0.0, name))[0]) / wall_s
+    return dict(sorted(used.items(), key=lambda kv: -kv[1]))
 
 
 def cores_by_role(before: dict, after: dict, wall_s: float, learner_pids: set[int]) -> dict[str, float]:
@@ -109,7 +123,8 @@ def measure(config: str | Path, sets: list[str], run_dir: Path, steps: int, warm
     wall = last["t"] - first["t"]
     records = common.step_records(common.records(run_dir))[first["steps"]:last["steps"]]
     log(f"run: steps {first['steps'] + 1}..{last['steps']} in {wall:.1f} s")
-    return {"cores": cores_by_role(first["cpu"], last["cpu"], wall, learners), "steps": records, "wall_s": wall}
+    return {"cores": cores_by_role(first["cpu"], last["cpu"], wall, learners), "steps": records, "wall_s": wall,
+            "by_name": cores_by_name(first["cpu"], last["cpu"], wall, learners)}
 
 
 def _sample_at(proc: subprocess.Popen, run_dir: Path, steps: int, deadline: float) -> dict:
@@ -152,7 +167,11 @@ def main() -> int:
 
     samples = cfg.algorithm.train_batch_groups * cfg.rollout.n
     part, per_sample, how = overhead_part(got, resolve_device(cfg.rollout.engine.device), samples)
-    print(json.dumps({"contention": part, "loop_per_sample_s": per_sample}), how, sep="\n")
+    by_name = ", ".join(f"{name} {cores:.2f}" for name, cores in got["by_name"].items() if cores >= 0.005)
+    steps = got["steps"]
+    print(json.dumps({"contention": part, "loop_per_sample_s": per_sample}), how,
+          f"cores by process: {by_name}; {(len(steps) - 1) / (steps[-1]['time'] - steps[0]['time']):.3f} steps/s, "
+          f"{(steps[-1]['replay/received_samples'] - steps[0]['replay/received_samples']) / (steps[-1]['time'] - steps[0]['time']):.0f} samples finished/s", sep="\n")
     return 0
 
 

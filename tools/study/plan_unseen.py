@@ -13,6 +13,13 @@ runs every config N times, round by round (c0..c7, then c0..c7 again: a drift of
 lands on every config alike); the measured figures are the rounds' mean, and ``steps_per_s_spread`` is
 (max − min) / mean over them. ``--list`` prints the drawn configs without running them. A run whose metrics
 already hold its end is not run again.
+
+``--diagnose`` runs nothing new but each config's learner alone, and prints per config where the time of a
+step goes, predicted against measured over the rounds already in ``--out``: the learner's step alone (the
+real learner ranks on synthetic groups of the config's shape, as tools/bench/learner_ranks.py, against the
+planner's ``step_seconds``), the training call in the run (``perf/update_actor_s`` plus the loop's own time,
+against the prediction's ``train_s``), the learner's wait for data, and the samples the engines finished per
+second (``replay/received_samples``).
 """
 
 from __future__ import annotations
@@ -107,6 +114,54 @@ def at_measured_accuracy(pl, profile, shape, meas: dict) -> dict:
             "steps_per_s_err_at_acc": (pred.steps_per_s - meas["steps_per_s"]) / meas["steps_per_s"]}
 
 
+def learner_alone(pl, profile, cfg, ranks: int) -> tuple[float, float]:
+    """(measured, predicted) seconds of one training step alone at ``cfg``'s shape: the real learner ranks
+    on B synthetic groups of G samples (learner_ranks' short batch), against the planner's step_seconds."""
+    import learner_ranks
+
+    from async_dapo.planning.learner_model import step_seconds
+
+    cell = {"batch": "short", "micro_batch_tokens": cfg.learner.micro_batch_tokens,
+            "mini_batch_groups": cfg.learner.mini_batch_groups, "mode": cfg.algorithm.correction.mode}
+    got = learner_ranks.measure(cfg, ranks, [cell], 4, 600)[0]
+    B = cfg.algorithm.train_batch_groups
+    return got["s"], step_seconds(profile.learner, pl.Shape.from_config(cfg), [got["tokens"] / B] * B)
+
+
+def step_parts(run_dirs: list[Path], warmup: int) -> dict[str, float]:
+    """Measured means over the rounds' steps after ``warmup``: the training call plus the loop's own time, the
+    wait for data, and the samples finished per second."""
+    import statistics
+
+    train, wait, rates = [], [], []
+    for run_dir in run_dirs:
+        steps = common.step_records(common.records(run_dir))[warmup:]
+        train += [r["perf/time_per_step"] - r["perf/wait_data_s"] - r["perf/weight_push_stall_s"] for r in steps]
+        wait += [r["perf/wait_data_s"] for r in steps]
+        rates.append((steps[-1]["replay/received_samples"] - steps[0]["replay/received_samples"])
+                     / (steps[-1]["time"] - steps[0]["time"]))
+    return {"train_s": statistics.fmean(train), "wait_s": statistics.fmean(wait),
+            "samples_per_s": statistics.fmean(rates)}
+
+
+def diagnose(pl, profile, drawn: list[dict], args) -> None:
+    """The ``--diagnose`` table (module doc), one line per config with rounds in ``args.out``."""
+    for c in drawn:
+        dirs = [run_dir_of(args.out, c["name"], r) for r in range(args.repeats)]
+        dirs = [d for d in dirs if common.finished(d, args.steps)]
+        if not dirs:
+            continue
+        cfg = common.load_config(CONFIG, sets_for(c, args.steps, dirs[0]))
+        pred = pl.predict(profile, pl.Shape.from_config(cfg), 60, 10, sync_baseline=False)
+        meas, (alone, alone_pred) = step_parts(dirs, args.warmup), learner_alone(pl, profile, cfg, c["ranks"])
+        G, B = c["G"], c["B"]
+        print(f"{c['name']} (G {G}, B {B}, {c['update_mode']}, {c['engines']} engine(s), {c['ranks']} rank(s)): "
+              f"learner alone {alone_pred:.3f} / {alone:.3f} s; in the run: training {pred.train_s:.3f} / "
+              f"{meas['train_s']:.3f} s, wait for data {pred.learner_idle * pred.step_s:.3f} / {meas['wait_s']:.3f} s, "
+              f"samples finished {pred.steps_per_s * B * G / pred.keep_rate:.0f} / {meas['samples_per_s']:.0f} per s "
+              f"(predicted / measured, {len(dirs)} round(s))", flush=True)
+
+
 def main(argv=None) -> int:
     ap = common.parser(__file__, __doc__)
     ap.add_argument("--profile", type=Path, required=True, help="planner profile calibrated on the default")
@@ -119,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="rounds: every config run this many times, round by "
                     "round; the table has their mean and spread (default %(default)s)")
     ap.add_argument("--list", action="store_true", help="print the drawn configs and exit")
+    ap.add_argument("--diagnose", action="store_true", help="where a step's time goes, predicted against measured, "
+                    "over the rounds already run, with each config's learner alone (see the module doc)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -132,6 +189,9 @@ def main(argv=None) -> int:
     from async_dapo import planning as pl
 
     profile = pl.load_profile(args.profile)
+    if args.diagnose:
+        diagnose(pl, profile, drawn, args)
+        return 0
     measured: dict[str, list[dict]] = {c["name"]: [] for c in drawn}
     for round_ in range(args.repeats):
         for c in drawn:
