@@ -68,7 +68,8 @@ def test_difficulty_without_p_gives_only_the_accuracy_ratio(run):
 def test_the_warm_p_cache_is_used_only_for_the_same_model_and_sampling(tmp_path, monkeypatch):
     cfg = common.load_config(bc.CONFIG)
     key = {"model": str(cfg.model.path), "n": cfg.rollout.n, "temperature": cfg.rollout.temperature,
-           "max_response_length": cfg.rollout.max_response_length, "seed": cfg.data.shuffle_seed}
+           "top_p": cfg.rollout.top_p, "max_response_length": cfg.rollout.max_response_length,
+           "reward": cfg.reward.function, "seed": cfg.data.shuffle_seed}
     cache = tmp_path / "warm_p.json"
     cache.write_text(json.dumps({"key": key, "p": [0.25, 0.5, 0.75]}))
     assert bc.warm_p(cfg, 2, cache) == [0.25, 0.5, 0.75]

@@ -168,10 +168,12 @@ def main() -> int:
     samples = cfg.algorithm.train_batch_groups * cfg.rollout.n
     part, per_sample, how = overhead_part(got, resolve_device(cfg.rollout.engine.device), samples)
     by_name = ", ".join(f"{name} {cores:.2f}" for name, cores in got["by_name"].items() if cores >= 0.005)
-    steps = got["steps"]
+    first, last = got["steps"][0], got["steps"][-1]
+    wall = last["time"] - first["time"]
+    finished = last["replay/received_samples"] - first["replay/received_samples"]
     print(json.dumps({"contention": part, "loop_per_sample_s": per_sample}), how,
-          f"cores by process: {by_name}; {(len(steps) - 1) / (steps[-1]['time'] - steps[0]['time']):.3f} steps/s, "
-          f"{(steps[-1]['replay/received_samples'] - steps[0]['replay/received_samples']) / (steps[-1]['time'] - steps[0]['time']):.0f} samples finished/s", sep="\n")
+          f"cores by process: {by_name}; {(len(got['steps']) - 1) / wall:.3f} steps/s, "
+          f"{finished / wall:.0f} samples finished/s", sep="\n")
     return 0
 
 

@@ -96,7 +96,8 @@ def warm_p(cfg, prompts: int, path: Path) -> list[float]:
     """The warm start's accuracy on each of the first ``prompts`` prompts of the queue's order (index = position
     in that order), cached in ``path`` for the same model, sampling and number of prompts or more."""
     key = {"model": str(cfg.model.path), "n": cfg.rollout.n, "temperature": cfg.rollout.temperature,
-           "max_response_length": cfg.rollout.max_response_length, "seed": cfg.data.shuffle_seed}
+           "top_p": cfg.rollout.top_p, "max_response_length": cfg.rollout.max_response_length,
+           "reward": cfg.reward.function, "seed": cfg.data.shuffle_seed}
     if path.exists():
         cached = json.loads(path.read_text())
         if cached["key"] == key and len(cached["p"]) >= prompts:
@@ -122,7 +123,7 @@ def warm_p(cfg, prompts: int, path: Path) -> list[float]:
 
 def difficulty(cfg, run_dir: Path, skip: int, p: list[float] | None) -> dict:
     """``acc_ratio_cum`` and the warm start's p of the trained groups against the admitted prompts (the
-    module doc); p None: those three are NaN."""
+    module doc); p None: the four p figures are NaN."""
     from async_dapo.data.rows import PromptCursor, train_rows
 
     steps = common.step_records(common.records(run_dir))
