@@ -359,14 +359,14 @@ class ReplayPolicy(Generic[G]):
             raise ValueError("a group arrived with no admitted prompt running (never admitted?)")
         accuracies = tuple(group.accuracies)
         outcome = self._classify(group)  # may raise: decide before changing any counter
-        stats, tokens = self.stats, int(group.num_tokens)
+        stats, tokens, correct = self.stats, int(group.num_tokens), sum(map(bool, accuracies))
         stats.received += 1
         stats.received_samples += len(accuracies)
-        stats.received_correct += sum(map(bool, accuracies))
+        stats.received_correct += correct
         stats.received_tokens += tokens
         stats._window_tokens += tokens
         stats._window_samples += len(accuracies)
-        stats._window_correct += sum(map(bool, accuracies))
+        stats._window_correct += correct
         self._arrivals += 1
         if outcome == ACCEPTED:
             self._enqueue(group, self._arrivals if order is None else order)

@@ -68,13 +68,12 @@ def cores_by_name(before: dict, after: dict, wall_s: float, learner_pids: set[in
 
 def cores_by_role(before: dict, after: dict, wall_s: float, learner_pids: set[int]) -> dict[str, float]:
     """CPU cores used over ``wall_s`` by the engines' schedulers, the learner ranks and everything else (the
-    background), from two :func:`cpu_seconds` samples; a process born in between counts from zero."""
+    background), from two :func:`cpu_seconds` samples; a process born in between counts from zero. The
+    per-name figures of :func:`cores_by_name`, summed by role."""
     used = {"engines": 0.0, "learner": 0.0, "background": 0.0}
-    for pid, (cpu, name) in after.items():
-        delta = max(0.0, cpu - before.get(pid, (0.0, name))[0])
-        role = "learner" if pid in learner_pids else "engines" if name.startswith(SCHEDULER) else "background"
-        used[role] += delta
-    return {k: v / wall_s for k, v in used.items()}
+    for name, cores in cores_by_name(before, after, wall_s, learner_pids).items():
+        used["learner" if name == "learner" else "engines" if name.startswith(SCHEDULER) else "background"] += cores
+    return used
 
 
 def loop_overhead_s(steps: list[dict]) -> float:
