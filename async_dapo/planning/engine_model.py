@@ -147,7 +147,8 @@ class EngineModel:
             g = self.groups[gid]
             g["left"] -= 1
             if g["left"] == 0:
-                e.work.append((self.p.engine.per_group_s, "group", gid))
+                eng = self.p.engine
+                e.work.append((eng.per_group_s + eng.per_sample_s * self.s.G, "group", gid))
 
     def _fill(self, e: Engine) -> None:
         """Start waiting sequences while the engine has room; a group's first start costs its prefill."""
@@ -207,7 +208,8 @@ class EngineModel:
             up["stage"] = "drain"
             return
         up["stage"] = "pausing"  # no decoding from here; queued work (scoring) finishes first
-        if up["mode"] == "abort":
+        if up["mode"] == "abort":  # each restarted sample is a new request: its handling is paid again
+            up["restarted"] = e.n
             up["refill"] = self._abort_running(e, up["version"]) * self.p.workload.prompt_tokens
 
     def _enter_load(self, e: Engine, t: float) -> None:
@@ -233,14 +235,16 @@ class EngineModel:
 
     def _resume(self, e: Engine, t: float) -> None:
         """The engine runs the new version; inflight re-prefills the running context (retract dropped the
-        KV cache: each group's prompt once, plus the generated tokens), abort prefills the restarted groups."""
+        KV cache: each group's prompt once, plus the generated tokens), abort prefills the restarted groups and
+        handles each restarted sample as a new request (``per_sample_s``)."""
         up = e.update
         e.version, e.update = up["version"], None
         if up["mode"] == "inflight":
             groups = len({self.seqs[sid][0] for sid in e.running})
             up["refill"] = groups * self.p.workload.prompt_tokens + e.n * e.it - e.sum_start
-        if up.get("refill", 0) > 0:
-            e.work.appendleft((up["refill"] * self.p.engine.prefill_per_token_s, "prefill", 0))
+        seconds = self._restart_s(up)
+        if seconds > 0:
+            e.work.appendleft((seconds, "prefill", 0))
         if self.step >= self.warmup:
             self.load_durations.append(t - self.push["t0"])
         self.push["loaded"] += 1
@@ -248,6 +252,12 @@ class EngineModel:
             self._push_done(t)
         else:
             self._admit(t)  # an engine that drained may take groups again
+
+    def _restart_s(self, up: dict) -> float:
+        """Engine seconds after a load before decoding goes on: the tokens to prefill again, and under abort
+        each restarted sample's handling as a new request."""
+        eng = self.p.engine
+        return up.get("refill", 0) * eng.prefill_per_token_s + up.get("restarted", 0) * eng.per_sample_s
 
     def _abort_running(self, e: Engine, version: int) -> int:
         """Abort mode: every running sequence's tokens are thrown away; it restarts from scratch at

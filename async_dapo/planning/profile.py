@@ -34,8 +34,11 @@ class EngineProfile(_Part):
                                           "the running sequences (attention reads).")
     prefill_per_token_s: float = Field(..., ge=0, description="Seconds per prompt token prefilled (one prefill "
                                        "per group: its G samples share the prompt).")
-    per_group_s: float = Field(..., ge=0, description="Host seconds per finished group (detokenize, score, "
-                               "send) during which the engine does not decode.")
+    per_group_s: float = Field(..., ge=0, description="Host seconds per finished group (score, send) during "
+                               "which the engine does not decode.")
+    per_sample_s: float = Field(0.0, ge=0, description="Engine seconds per finished sample beyond its decode "
+                                "iterations (the request's own handling: admission, detokenization, its "
+                                "output and log-probs), charged with its group's per_group_s.")
     devices: int = Field(1, ge=1, description="Accelerators one engine occupies (tensor parallel size); "
                          "recommend() splits total devices by it.")
 
@@ -100,14 +103,18 @@ class Contention(_Part):
     """Slowdowns when the roles share hardware (1.0 = separate devices). With ``cores`` set, the busy
     processes also share those cores: every decoding engine and every training learner rank runs
     ``max(1, (busy + background_cores) / cores)`` times slower, and the two slowdowns below (measured with
-    one engine and one rank busy) keep only what that sharing does not explain."""
+    one engine and one rank busy) keep only what that sharing does not explain: a factor above 1 where the
+    role loses more than its even share, below 1 where it keeps more."""
 
     engine_slowdown: float = Field(1.0, gt=0, description="Multiplier on engine time while the learner "
                                    "computes (shared CPU cores), as measured with one engine and one rank.")
     learner_slowdown: float = Field(1.0, gt=0, description="Multiplier on learner step time while any engine "
                                     "decodes, as measured with one engine and one rank.")
     cores: float | None = Field(None, gt=0, description="CPU cores the engines, the learner ranks and the "
-                                "run's other processes share; None: each role computes on its own devices.")
+                                "run's other processes share, as the work they do: fewer than the machine's "
+                                "CPUs where two busy processes do less than twice one's work (the calibration "
+                                "fits it to two engines against one); None: each role computes on its own "
+                                "devices.")
     background_cores: float = Field(0.0, ge=0, description="Cores the run's other processes keep busy (the "
                                     "driver, the replay queue, the rollout actors' host side, Ray), with cores.")
 
@@ -116,8 +123,8 @@ class Contention(_Part):
         return 1.0 if self.cores is None else max(1.0, (busy + self.background_cores) / self.cores)
 
     def interference(self, slowdown: float) -> float:
-        """A measured one-engine-one-rank slowdown without the core sharing it contains."""
-        return slowdown if self.cores is None else max(1.0, slowdown / self.share(2))
+        """A measured one-engine-one-rank slowdown without the core sharing it contains (may be below 1)."""
+        return slowdown if self.cores is None else slowdown / self.share(2)
 
 
 class Lognormal(_Part):

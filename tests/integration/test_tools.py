@@ -61,15 +61,20 @@ def test_calibrate_quick(tmp_path):
     # phase f (the learner against 1 and 2 ranks) is left out here: its fit is checked on synthetic cells
     # (tests/unit/test_calibrate_fit.py) and it would add a minute; the figures below are phase c's
     log = _run(["tools/bench/calibrate.py", "--config", "configs/tiny_cpu.yaml", "--model", "models/tiny_cpu",
-                "--out", str(out), "--quick", "--phases", "engine", "actor", "learner", "push", "contention", "run"],
+                "--out", str(out), "--quick", "--phases", "engine", "actor", "pair", "learner", "push", "contention",
+                "run"],
                900)
     profile = load_profile(out)
     for part in (profile.engine, profile.learner, profile.push, profile.contention):
         for key, value in part.model_dump().items():
             assert math.isfinite(float(value)) and float(value) >= 0, (key, value)
-    # the run phase: a real run of the config, on this machine's cores, its other processes busy
-    assert profile.contention.cores == os.cpu_count()
-    assert 0 < profile.contention.background_cores < os.cpu_count()
+    # the run phase: a real run of the config, on this machine's cores, its other processes busy; the cores
+    # as the work they do, from two engines against one (phase pair)
+    c = profile.contention
+    assert 0 < c.background_cores < os.cpu_count()
+    pair = float(re.search(r"generated ([\d.]+) times one engine's", profile.sources["cores"])[1])
+    assert c.cores == pytest.approx(min(os.cpu_count(), max(1 + c.background_cores, pair * (2 + c.background_cores) / 2)),
+                                    rel=1e-3)
     assert 0 < profile.learner.loop_per_sample_s < 0.01
     assert {"run", "run_check", "pause_per_seq"} <= set(profile.sources)
     assert 0 <= profile.push.engine_pause_per_seq_s < 0.01  # seconds per sequence held in an update
@@ -81,8 +86,12 @@ def test_calibrate_quick(tmp_path):
     assert profile.contention.engine_slowdown >= 1 and profile.contention.learner_slowdown >= 1
     w = profile.workload
     assert w.prompts and w.keep_rate is None and w.prompt_tokens > 0
-    assert {"decode", "learner", "push", "contention", "per_group_s"} <= set(profile.sources)
+    assert {"decode", "learner", "push", "contention", "per_group_s", "per_sample_s", "bare_groups", "pair"} <= \
+        set(profile.sources)
+    # phase b's cost per group beyond the decode model, split between per group and per sample
+    per_group = float(re.search(r"clipped at 0: ([\d.]+) ms per group", profile.sources["per_group_s"])[1]) / 1e3
     cfg = load_config(REPO / "configs/tiny_cpu.yaml", [])
+    assert e.per_group_s + cfg.rollout.n * e.per_sample_s == pytest.approx(per_group, abs=1e-6)
     pred = predict(profile, Shape.from_config(cfg), steps=20, warmup=4)
     assert math.isfinite(pred.steps_per_s) and pred.steps_per_s > 0
     for ratio in (pred.learner_idle, pred.rollout_idle, pred.occupancy, pred.tail_share):

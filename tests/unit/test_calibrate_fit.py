@@ -166,3 +166,45 @@ def test_the_pause_term_is_measured_against_the_model_without_it():
     sources = {}
     assert calibrate.pause_part(with_term, drain, got, sources).push.engine_pause_per_seq_s == 0.01
     assert sources["pause_per_seq"].startswith("not measured")
+
+
+def test_group_cost_splits_into_per_group_and_per_sample():
+    """Seconds per group beyond the decode model at G 4, 8, 16 of an engine paying 1 ms per group and 0.8 ms
+    per sample give those back; costs proportional to G are all per sample; flat ones all per group."""
+    a, b = calibrate.fit_group_cost({4: 0.001 + 4 * 0.0008, 8: 0.001 + 8 * 0.0008, 16: 0.001 + 16 * 0.0008})
+    assert a == pytest.approx(0.001, rel=1e-9) and b == pytest.approx(0.0008, rel=1e-9)
+    # a line that would cross below 0 at G = 0 goes through the origin: least squares of r = b·G
+    a, b = calibrate.fit_group_cost({4: 0.0038, 8: 0.008, 16: 0.0165})
+    assert a == 0.0 and b == pytest.approx((4 * 0.0038 + 8 * 0.008 + 16 * 0.0165) / (16 + 64 + 256), rel=1e-9)
+    assert calibrate.fit_group_cost({4: 0.005, 8: 0.005, 16: 0.004}) == (pytest.approx(0.014 / 3), 0.0)
+    assert calibrate.fit_group_cost({8: 0.006}) == (0.006, 0.0)
+
+
+def test_split_group_cost_keeps_phase_bs_level_and_the_bare_engines_shape(monkeypatch):
+    """The bare engine at G 4 / 8 / 16 pays 1 ms + 1 ms per sample beyond the decode model: 8 of 9 ms of a
+    group of 8 are per sample. Phase b's 4.5 ms per group (the actor's level) splits the same way: 0.5 ms per
+    group and 4 / 8 ms per sample."""
+    from async_dapo.config import load_config
+
+    cfg = load_config("configs/tiny_cpu.yaml", [])  # n 8, B 64
+    model_s = {4: 0.002, 8: 0.003, 16: 0.005}  # the decode model's seconds per group (per batch / B)
+    monkeypatch.setattr(calibrate, "engine_only_s_per_batch", lambda c, e, w, G, filter_groups: model_s[G] * 64)
+    bare = {G: 1.0 / (model_s[G] + 0.001 + 0.001 * G) for G in (4, 8, 16)}
+    per_group, per_sample, how = calibrate.split_group_cost(cfg, {}, {}, bare, 0.0045)
+    assert per_group == pytest.approx(0.0005, rel=1e-9) and per_sample == pytest.approx(0.0005, rel=1e-9)
+    assert per_group + 8 * per_sample == pytest.approx(0.0045, rel=1e-9)
+    assert "89 % of a group of 8's is per sample" in how
+
+
+def test_effective_cores_give_two_engines_the_measured_rate():
+    """Two engines at 1.28 times one, 0.45 cores of background: cores = 1.28 x 2.45 / 2 = 1.568, so that
+    each of two busy engines runs 2.45 / 1.568 = 1.5625 times slower (2 / 1.5625 = 1.28 times one); bounded
+    by 1 + background (one engine alone is never slowed) and by the machine's CPUs."""
+    cores, how = calibrate.effective_cores(1.28, 0.45, 2.0)
+    assert cores == pytest.approx(1.568, rel=1e-12) and "1.568" in how
+    from async_dapo.planning import Contention
+
+    c = Contention(cores=cores, background_cores=0.45)
+    assert 2 / c.share(2) == pytest.approx(1.28, rel=1e-12) and c.share(1) == 1.0
+    assert calibrate.effective_cores(0.9, 0.45, 2.0)[0] == pytest.approx(1.45)
+    assert calibrate.effective_cores(1.9, 0.45, 2.0)[0] == 2.0

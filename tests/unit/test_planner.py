@@ -30,7 +30,7 @@ def profile(**changes):
     return profile_from_dict(tree)
 
 
-def sync_step_by_hand(E: int, B: int, G: int, P: float, L: int, epochs: int = 1) -> float:
+def sync_step_by_hand(E: int, B: int, G: int, P: float, L: int, epochs: int = 1, per_sample_s: float = 0.0) -> float:
     """One synchronous step, with nothing overlapping: the B groups spread evenly over E engines, each
     engine prefills its groups, decodes L iterations with n = (B/E)·G running and context K0 + i·n at
     iteration i, scores its groups; then the learner trains, stalls for the push, the push travels and
@@ -40,7 +40,7 @@ def sync_step_by_hand(E: int, B: int, G: int, P: float, L: int, epochs: int = 1)
     n = groups * G
     decode = sum(e["decode_base_s"] + e["decode_per_seq_s"] * n + e["decode_per_ctx_token_s"] * (n * P + i * n)
                  for i in range(L))
-    generate = groups * P * e["prefill_per_token_s"] + decode + groups * e["per_group_s"]
+    generate = groups * P * e["prefill_per_token_s"] + decode + groups * (e["per_group_s"] + G * per_sample_s)
     train = lp["step_base_s"] + epochs * lp["per_token_s"] * B * G * (P + L)
     # the engine pauses from the push's start: the broadcast and its own load overlap
     push = pp["learner_stall_s"] + max(pp["base_s"] + pp["bytes"] / pp["bandwidth_bytes_per_s"], pp["engine_pause_s"])
@@ -58,6 +58,32 @@ def test_sync_step_time_is_the_sum_of_its_parts(engines):
     train = lp["step_base_s"] + 2 * lp["per_token_s"] * 4 * 2 * 15
     stall = BASE["push"]["learner_stall_s"]
     assert pred.learner_idle == pytest.approx(1 - (train + stall) / expected, rel=1e-9)
+
+
+def test_a_finished_group_costs_per_group_and_per_sample():
+    """per_sample_s: 0.003 s more for each of a finished group's G = 3 samples (4 groups on one engine)."""
+    shape = Shape(B=4, G=3, eta=0, max_inflight_prompts=8)
+    pred = predict(profile(engine={"per_sample_s": 0.003}), shape, steps=12, warmup=2)
+    assert pred.step_s == pytest.approx(sync_step_by_hand(1, 4, 3, 10, 5, per_sample_s=0.003), rel=1e-9)
+    assert pred.step_s == pytest.approx(predict(profile(), shape, 12, 2).step_s + 4 * 3 * 0.003, rel=1e-9)
+
+
+def test_an_abort_pays_each_restarted_sample_as_a_new_request():
+    """Abort restarts the engine's 4 running samples (2 groups of 2): after the load it prefills both
+    prompts again (2 x 10 tokens x 1e-4 s) and handles 4 new requests (4 x 0.003 s)."""
+    from async_dapo.planning.simulator import Simulator
+
+    shape = Shape(B=2, G=2, eta=1, max_inflight_prompts=2, update_mode="abort")
+    sim = Simulator(profile(engine={"per_sample_s": 0.003}), shape, steps=4, warmup=0, seed=0)
+    sim._admit(0.0)
+    e = sim.engines[0]
+    sim._fill(e)
+    assert e.n == 4 and not e.waiting
+    e.update = {"mode": "abort", "stage": "new", "version": 1}
+    sim._start_update(e, 0.0)
+    assert e.update["restarted"] == 4 and e.update["refill"] == 2 * 10
+    assert sim._restart_s(e.update) == pytest.approx(2 * 10 * 1e-4 + 4 * 0.003, rel=1e-12)
+    assert sim._restart_s({"mode": "inflight", "refill": 30}) == pytest.approx(30 * 1e-4, rel=1e-12)
 
 
 def test_contention_does_not_touch_sync_where_the_roles_never_overlap():
@@ -106,11 +132,11 @@ def test_shared_cores_change_nothing_while_no_more_processes_are_busy_than_cores
 
 def test_measured_slowdowns_lose_the_sharing_they_contain():
     """The slowdowns are measured with one engine and one rank busy: with 2 cores and 0.4 of background,
-    that is (2 + 0.4) / 2 = 1.2 of sharing; what remains is interference (never below 1). Without shared
-    cores a slowdown is all interference."""
+    that is (2 + 0.4) / 2 = 1.2 of sharing; what remains is interference, below 1 for a role that lost less
+    than its even share (1.1 / 1.2). Without shared cores a slowdown is all interference."""
     c = pl.Contention(cores=2.0, background_cores=0.4)
     assert c.share(2) == pytest.approx(1.2) and c.share(1) == 1.0 and c.share(3) == pytest.approx(1.7)
-    assert c.interference(1.5) == pytest.approx(1.25) and c.interference(1.1) == 1.0
+    assert c.interference(1.5) == pytest.approx(1.25) and c.interference(1.1) == pytest.approx(1.1 / 1.2)
     assert pl.Contention().interference(1.5) == 1.5 and pl.Contention().share(5) == 1.0
 
 

@@ -21,14 +21,21 @@ a. ``engine``: a bare in-process ``sglang.Engine`` (async_dapo.rollout.engine.st
    Then the warm start as whole groups: the run's first 256 training prompts (16 with --quick) in the
    queue's own seeded order x n samples, scored by the run's reward ->
    workload.prompts (per prompt: its samples' lengths and outcomes; the planner derives keep for any G).
+   Last, the engine continuously batched at the config's window (tools/bench/rollout.py's bare loop) at
+   G = n/2, n and 2n: its seconds per group beyond the decode model's, fitted on per group + per sample × G,
+   tell how b's cost splits (an SGLang request's own handling is paid per sample, not per group).
 b. ``actor``: generation alone through the real rollout actor and replay queue (as throughput.generate_only,
    with the config's window: rollout.max_inflight_prompts; the queue's staleness and capacity opened so
    admission never binds). Gives prompt_tokens, the keep rate measured = accepted / (accepted +
    dynamic-sampling drops) from the queue's counters (a check on the keep derived from a's groups; without
    phase a, it and the accepted batches' lengths are the workload's keep_rate and response_lengths), and
-   per_group_s = max(0, (measured s/batch - planner's s/batch) / groups received per batch), the planner's
-   figure being the planner itself run with per_group_s = 0, a free learner and no push (same window, and
-   phase b's own keep rate and lengths).
+   a cost per group = max(0, (measured s/batch - planner's s/batch) / groups received per batch), the
+   planner's figure being the planner itself run with per_group_s = per_sample_s = 0, a free learner and
+   no push (same window, and phase b's own keep rate and lengths); split into per_group_s and per_sample_s
+   as a's fit splits the bare engine's (the actor in its run sets the level, the bare engine the shape).
+``pair``: b again on two engines that split the window (CPU engines only): their groups/s over one
+   engine's gives the effective contention.cores (below, with g's background_cores): two busy processes on
+   these cores do less than twice one's work, beyond what the other processes' CPU explains.
 c. ``learner``: the batches of b replayed into the learner ranks with the engines idle (throughput.train_only's
    loop): step seconds fitted to step_base_s + epochs · per_token_s · tokens / R, tokens =
    prompt + response tokens of the batch; when the token counts vary by < 10 %, step_base_s = 0 and
@@ -47,7 +54,8 @@ f. ``ranks``: the learner against ranks (tools/bench/learner_ranks.py: the real 
 
 g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other processes keep busy (driver,
    replay queue, rollout actors' host side, Ray) -> contention.background_cores, this machine's CPUs ->
-   contention.cores (engines on CPU only), and the training loop's own seconds per trained sample ->
+   contention.cores (engines on CPU only; with phase pair, the effective cores: cores = pair's ratio ×
+   (2 + background_cores) / 2, within [1 + background_cores, CPUs]), and the training loop's own seconds per trained sample ->
    learner.loop_per_sample_s. The engines' seconds per update (``perf/weight_load_s``) beyond the model's
    prediction without it, per sequence they hold, running or queued (occupancy x window x G) ->
    push.engine_pause_per_seq_s (inflight and abort: pausing retracts or aborts them; 0 for drain). The run's
@@ -57,8 +65,8 @@ g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other p
 
 ``--quick``: fewer points and batches (a CI-size smoke, about 3 minutes with the tiny model on 2 cores; its
 numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
-(an earlier profile) or, for push and contention only, neutral values (free push, no contention). c and e
-need b's batches.
+(an earlier profile) or, for push and contention only, neutral values (free push, no contention). c, e and
+pair need b (its batches, its rate).
 """
 
 from __future__ import annotations
@@ -77,7 +85,7 @@ sys.path.insert(0, str(HERE.parent))  # tools/: common.py
 sys.path.insert(0, str(HERE))  # tools/bench/: throughput.py, push.py
 import common  # noqa: E402
 
-PHASES = ("engine", "actor", "learner", "push", "contention", "ranks", "run")
+PHASES = ("engine", "actor", "pair", "learner", "push", "contention", "ranks", "run")
 ROLE_SETS = ["replay.max_staleness=1000", "replay.capacity_groups=1000000"]  # admission never binds (throughput)
 
 
@@ -145,6 +153,7 @@ def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
         lengths = [L for rec in records for L in rec["lengths"]]
         acc = statistics.mean(c for rec in records for c in rec["correct"])
         log(f"engine: warm start over {len(records)} prompts x {r.n}: accuracy {acc:.3f}, lengths {quantiles(lengths)}")
+        bare, how_bare = bare_group_rates(engine, cfg, tok, quick, log)
     finally:
         engine.shutdown()
     decode, resid = fit_decode(points)
@@ -174,7 +183,31 @@ def engine_curve(cfg, quick: bool, log) -> tuple[dict, dict, float]:
                       f"run's sampling parameters (temperature {r.temperature}, top_p {r.top_p}, max "
                       f"{r.max_response_length} tokens), scored by the run's reward: every sample, kept or "
                       f"filtered; accuracy {acc:.3f}; lengths {quantiles(lengths)}")
-    return part, src, ptok, records
+    src["bare_groups"] = f"{when}: {how_bare}"
+    return part, src, ptok, records, bare
+
+
+def bare_group_rates(engine, cfg, tok, quick: bool, log) -> tuple[dict[int, float], str]:
+    """Groups per second of the bare engine, continuously batched at the config's window
+    (rollout.max_inflight_prompts prompts in flight, each one batch request of G, as the actor sends a group;
+    tools/bench/rollout.py's loop), at G = n/2, n and 2n: how an engine's cost beyond its decode iterations
+    splits into per group and per sample (:func:`split_group_cost`)."""
+    import rollout
+
+    from async_dapo.rollout.actor import sampling_params
+
+    n, window = cfg.rollout.n, cfg.rollout.max_inflight_prompts
+    repeats, seconds = (1, 2.0) if quick else (2, 4.0)
+    rates = {}
+    for G in sorted({max(1, n // 2), n, 2 * n}):
+        runs = engine.loop.run_until_complete(rollout.bare_loop(
+            engine, rollout.prompt_stream(cfg, tok), G, sampling_params(cfg), window, window, repeats, seconds))
+        rates[G] = sum(g for _, g, _ in runs) / sum(s for s, _, _ in runs)
+        log(f"engine: G={G:3d}, {window} prompts in flight: {rates[G]:.2f} groups/s")
+    how = (f"the bare engine continuously batched with {window} prompts in flight (one request of G samples "
+           f"each, the actor's sampling parameters), after {window} groups, {repeats} x {seconds:.0f} s: groups/s "
+           + ", ".join(f"G {G}: {v:.2f}" for G, v in rates.items()))
+    return rates, how
 
 
 def decode_point(n: int, L: int, ptok: float, w1: float, wl: float) -> tuple:
@@ -268,6 +301,23 @@ def generate(placed, warmup: int, count: int, timeout_s: float) -> dict:
             "received": s1["received"] - s0["received"], "stats": s1, "batches": batches, "wall_s": t1 - t0}
 
 
+def generate_alone(cfg, warmup: int, count: int, timeout_s: float) -> dict:
+    """:func:`generate` on a placement of its own (its own Ray instance), shut down after."""
+    import ray
+
+    from async_dapo.fleet.placement import place
+
+    ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
+    placed = None
+    try:
+        placed = place(cfg)
+        return generate(placed, warmup, count, timeout_s)
+    finally:
+        if placed is not None:
+            placed.shutdown()
+        ray.shutdown()
+
+
 def batch_tokens(batch) -> int:
     return sum(len(g.prompt_ids) * len(g.samples) + sum(len(s.response_ids) for s in g.samples) for g in batch)
 
@@ -308,18 +358,52 @@ def shape_of(cfg, **changes):
     return Shape.from_config(cfg).with_(**changes)
 
 
-def engine_only_s_per_batch(cfg, engine: dict, workload: dict) -> float:
-    """The planner's seconds per batch with per_group_s = 0, a (nearly) free learner and no push: what the
-    engine model alone predicts for phase b's generation."""
+def engine_only_s_per_batch(cfg, engine: dict, workload: dict, **changes) -> float:
+    """The planner's seconds per batch with per_group_s = per_sample_s = 0, a (nearly) free learner and no
+    push: what the decode model alone predicts for phase b's generation (``changes``: to the run's shape)."""
     from async_dapo.planning import predict, profile_from_dict
 
     prof = profile_from_dict({
-        "name": "engine-only", "hardware": "-", "engine": {**engine, "per_group_s": 0.0},
+        "name": "engine-only", "hardware": "-", "engine": {**engine, "per_group_s": 0.0, "per_sample_s": 0.0},
         "learner": {"step_base_s": 1e-9, "per_token_s": 0.0},
         "push": {"base_s": 0.0, "bytes": 0.0, "bandwidth_bytes_per_s": 1e12, "engine_pause_s": 0.0},
         "workload": workload}, "engine-only profile")
-    shape = shape_of(cfg, eta=1000, every_k_steps=10 ** 6, update_mode="inflight")
+    shape = shape_of(cfg, eta=1000, every_k_steps=10 ** 6, update_mode="inflight", **changes)
     return 1.0 / predict(prof, shape, steps=14, warmup=4, sync_baseline=False).steps_per_s
+
+
+def fit_group_cost(residuals: dict[int, float]) -> tuple[float, float]:
+    """(per group, per sample) seconds: least squares of an engine's seconds per group beyond its decode
+    iterations, ``residuals`` {G: seconds}, on a + b·G, each clipped at 0 (one group size: all per group)."""
+    import numpy as np
+
+    if len(residuals) < 2:
+        return max(0.0, statistics.fmean(residuals.values())), 0.0
+    G = np.array(sorted(residuals), dtype=float)
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(G), G], 1), np.array([residuals[g] for g in sorted(residuals)]),
+                                 rcond=None)
+    if b <= 0:
+        return max(0.0, statistics.fmean(residuals.values())), 0.0
+    if a < 0:  # through the origin
+        return 0.0, max(0.0, float(np.dot(G, [residuals[g] for g in sorted(residuals)]) / np.dot(G, G)))
+    return float(a), float(b)
+
+
+def split_group_cost(cfg, engine: dict, workload: dict, bare: dict[int, float], per_group: float) -> tuple[float, float, str]:
+    """(per_group_s, per_sample_s): phase b's cost per group beyond the decode model (``per_group``, the actor
+    in its run sets the level) split as the bare engine's is between per group and per sample, from its rates
+    at several group sizes (:func:`bare_group_rates`) minus the decode model's at the same shapes."""
+    n, window = cfg.rollout.n, cfg.rollout.max_inflight_prompts
+    B = cfg.algorithm.train_batch_groups
+    resid = {G: 1.0 / rate - engine_only_s_per_batch(cfg, engine, workload, G=G, filter_groups=False) / B
+             for G, rate in bare.items()}
+    a, b = fit_group_cost(resid)
+    share = b * n / (a + b * n) if a + b * n > 0 else 0.0
+    how = (f"the bare engine's seconds per group beyond the decode model's at the same shape ("
+           + ", ".join(f"G {G}: {1e3 * r:.3f} ms" for G, r in resid.items())
+           + f") fitted a + b·G: a {1e3 * a:.3f} ms, b {1e3 * b:.3f} ms per sample, so {100 * share:.0f} % of a "
+           f"group of {n}'s is per sample; phase b's {1e3 * per_group:.3f} ms per group split the same way")
+    return (1 - share) * per_group, share * per_group / n, how
 
 
 def fit_learner(seconds: list[float], tokens: list[int]) -> tuple[float, float, str]:
@@ -417,7 +501,7 @@ def contention_phase(placed, batches: list, alone_rate: float, alone_steps: list
 
 
 def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, log,
-          records: list[dict] | None = None) -> dict:
+          records: list[dict] | None = None, bare: dict[int, float] | None = None, pair_cfg=None) -> dict:
     """Phases b-e on one or two placements: b (generation alone) on the first; c, d, e on a second whose
     engines stay idle until e (no rollout can be paused once started)."""
     import ray
@@ -428,15 +512,7 @@ def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, 
     warmup, count = (1, 2) if quick else (3, 8)
     gen = None
     if "actor" in phases:
-        ray.init(address=cfg.placement.ray_address, include_dashboard=False, log_to_driver=False)
-        placed = None
-        try:
-            placed = place(cfg)
-            gen = generate(placed, warmup, count, timeout_s)
-        finally:
-            if placed is not None:
-                placed.shutdown()
-            ray.shutdown()
+        gen = generate_alone(cfg, warmup, count, timeout_s)
         out["gen"] = gen
         out["workload"], src = workload_part(cfg, gen)
         out["sources"].update(src)
@@ -458,13 +534,29 @@ def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, 
         if engine is not None:
             pred = engine_only_s_per_batch(cfg, engine, phase_b)
             per_batch_groups = gen["received"] / count
-            out["per_group_s"] = max(0.0, (gen["g_s"] - pred) / per_batch_groups)
+            resid = max(0.0, (gen["g_s"] - pred) / per_batch_groups)
             out["sources"]["per_group_s"] = (
                 f"{_now()}: phase b measured {gen['g_s']:.4f} s/batch ({per_batch_groups:.1f} groups received per "
                 f"batch, {count} batches after {warmup}, window {cfg.rollout.max_inflight_prompts} prompts) minus "
-                f"the planner's {pred:.4f} s/batch for the same shape with per_group_s = 0, a free learner and no "
-                f"push (async_dapo.planning.predict, 14 steps, 4 warm-up), / groups per batch; clipped at 0")
-            log(f"actor: planner engine-only {pred:.3f} s/batch -> per_group_s {out['per_group_s']:.5f}")
+                f"the planner's {pred:.4f} s/batch for the same shape with per_group_s = per_sample_s = 0, a free "
+                f"learner and no push (async_dapo.planning.predict, 14 steps, 4 warm-up), / groups per batch; "
+                f"clipped at 0: {1e3 * resid:.3f} ms per group")
+            if bare:
+                out["per_group_s"], out["per_sample_s"], how = split_group_cost(cfg, engine, phase_b, bare, resid)
+                out["sources"]["per_sample_s"] = f"{_now()}: {how}"
+            else:
+                out["per_group_s"], out["per_sample_s"] = resid, 0.0
+                out["sources"]["per_sample_s"] = "not measured (no engine phase): 0, all per group"
+            log(f"actor: planner engine-only {pred:.3f} s/batch -> per_group_s {out['per_group_s']:.5f}, "
+                f"per_sample_s {out['per_sample_s']:.5f}")
+    if "pair" in phases:
+        if gen is None:
+            raise SystemExit("--phases pair needs the actor phase (one engine's rate)")
+        if pair_cfg is None:
+            out["sources"]["pair"] = "not measured: the engines do not run on CPU cores they share"
+        else:
+            out["pair_ratio"], out["sources"]["pair"] = pair_phase(pair_cfg, gen["received_per_s"], warmup, count,
+                                                                   timeout_s, log)
     need = phases & {"learner", "push", "contention"}
     if not need:
         return out
@@ -500,6 +592,40 @@ def roles(cfg, phases: set, quick: bool, timeout_s: float, engine: dict | None, 
             placed.shutdown()
         ray.shutdown()
     return out
+
+
+def pair_sets(cfg) -> list[str]:
+    """Overrides for phase ``pair``: two engines, the config's window split between them, and Ray CPU
+    reservations that fit both engines and the learner ranks on this machine (logical: the processes share
+    the cores whatever they say)."""
+    roles_ = 2 + cfg.placement.learner_ranks
+    share = min(cfg.placement.engine_cpus, int(100 * (os.cpu_count() or 1) / roles_) / 100)
+    return ["placement.num_engines=2", f"rollout.max_inflight_prompts={-(-cfg.rollout.max_inflight_prompts // 2)}",
+            f"placement.engine_cpus={share}", f"placement.learner_cpus={min(cfg.placement.learner_cpus, share)}"]
+
+
+def pair_phase(cfg, alone_rate: float, warmup: int, count: int, timeout_s: float, log) -> tuple[float, str]:
+    """Phase ``pair``: generation alone as in phase b, on two engines that split its window; their received
+    groups/s over one engine's (phase b's), from which :func:`effective_cores` follows."""
+    gen = generate_alone(cfg, warmup, count, timeout_s)
+    ratio = gen["received_per_s"] / alone_rate
+    log(f"pair: two engines {gen['received_per_s']:.2f} groups/s, one engine {alone_rate:.2f}: x {ratio:.3f}")
+    return ratio, (f"{_now()}: two engines generating alone (phase b with placement.num_engines=2, "
+                   f"{cfg.rollout.max_inflight_prompts} prompts in flight each), {count} batches after {warmup}: "
+                   f"{gen['received_per_s']:.3f} groups/s received against one engine's {alone_rate:.3f} in phase "
+                   f"b: x {ratio:.3f}")
+
+
+def effective_cores(pair_ratio: float, background: float, cpus: float) -> tuple[float, str]:
+    """contention.cores such that the planner's core sharing gives two engines generating alone
+    ``pair_ratio`` times one engine's rate: each runs (2 + background) / cores times slower, so cores =
+    pair_ratio × (2 + background) / 2; at least 1 + background (one engine alone is not slowed), at most
+    the machine's ``cpus``."""
+    raw = pair_ratio * (2 + background) / 2
+    cores = min(cpus, max(1 + background, raw))
+    return cores, (f"effective: two engines generated {pair_ratio:.3f} times one engine's groups/s (phase pair) -> "
+                   f"cores = {pair_ratio:.3f} x (2 + background_cores {background:.3f}) / 2 = {raw:.3f}, within "
+                   f"[1 + background_cores, {cpus:g} CPUs]: {cores:.3f}")
 
 
 def learner_against_ranks(cfg, got: dict, quick: bool, sources: dict, log) -> dict:
@@ -597,6 +723,25 @@ def run_check(profile, cfg, got: dict, sources: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------ main
+def engine_costs(got: dict, base: dict | None) -> dict:
+    """The engine's per_group_s and per_sample_s: phase b's, else the base profile's, else 0."""
+    if "per_group_s" in got:
+        return {"per_group_s": got["per_group_s"], "per_sample_s": got["per_sample_s"]}
+    e = base["engine"] if base else {}
+    return {"per_group_s": e.get("per_group_s", 0.0), "per_sample_s": e.get("per_sample_s", 0.0)}
+
+
+def split_as_base(got: dict, base: dict, n: int, sources: dict, where) -> None:
+    """Without the engine phase (no bare rates at several group sizes): phase b's cost per group split
+    between per group and per sample as the base profile's is, for a group of n."""
+    e = base["engine"]
+    total = e["per_group_s"] + e.get("per_sample_s", 0.0) * n
+    share = e.get("per_sample_s", 0.0) * n / total if total > 0 else 0.0
+    resid = got["per_group_s"] + got["per_sample_s"] * n
+    got["per_group_s"], got["per_sample_s"] = (1 - share) * resid, share * resid / n
+    sources["per_sample_s"] = f"phase b's cost per group split as {where}'s is for a group of {n}: {100 * share:.0f} % per sample"
+
+
 def param_bytes(cfg) -> float:
     import torch
     from transformers import AutoModelForCausalLM
@@ -639,14 +784,22 @@ def main() -> None:
     command = "python tools/bench/calibrate.py " + " ".join(sys.argv[1:])
     sources = {"command": f"{_now()}: {command}"}
 
-    engine, records = None, None
+    engine, records, bare = None, None, None
     if "engine" in phases:
-        engine, src, _, records = engine_curve(cfg, args.quick, log)
+        engine, src, _, records, bare = engine_curve(cfg, args.quick, log)
         sources.update(src)
     elif base is not None:
-        engine = {k: v for k, v in base["engine"].items() if k not in ("per_group_s", "devices")}
-    got = roles(role_cfg, phases, args.quick, args.run_timeout, engine, log, records)
+        engine = {k: v for k, v in base["engine"].items() if k not in ("per_group_s", "per_sample_s", "devices")}
+    from async_dapo.device import resolve_device
+
+    pair_cfg = None
+    if "pair" in phases and resolve_device(cfg.rollout.engine.device) == "cpu":
+        pair_cfg = common.load(args, [*sets, f"model.path={cfg.model.path}", "model.bootstrap=null", *ROLE_SETS,
+                                      *pair_sets(cfg)])
+    got = roles(role_cfg, phases, args.quick, args.run_timeout, engine, log, records, bare, pair_cfg)
     sources.update(got["sources"])
+    if bare is None and base is not None and "per_group_s" in got:
+        split_as_base(got, base, cfg.rollout.n, sources, args.base)
     if "ranks" in phases:
         got["learner"] = learner_against_ranks(cfg, got, args.quick, sources, log)
 
@@ -670,8 +823,7 @@ def main() -> None:
                     f"{cfg.placement.engine_cpus} CPU, {cfg.placement.learner_ranks} learner rank(s) x "
                     f"{cfg.placement.learner_cpus} CPU; model {cfg.model.path}",
         "sources": sources,
-        "engine": {**(engine or {}), "per_group_s": got.get("per_group_s",
-                                                            base["engine"]["per_group_s"] if base else 0.0)},
+        "engine": {**(engine or {}), **engine_costs(got, base)},
         "learner": pick("learner", got.get("learner")),
         "push": pick("push", got.get("push"), {"base_s": 0.0, "bytes": nbytes, "bandwidth_bytes_per_s": 1e12,
                                                "engine_pause_s": 0.0, "learner_stall_s": 0.0}),
@@ -679,10 +831,14 @@ def main() -> None:
                        **got.get("sharing", {})},
         "workload": pick("workload", got.get("workload")),
     }
+    if "pair_ratio" in got and prof["contention"].get("cores"):
+        c = prof["contention"]
+        c["cores"], sources["cores"] = effective_cores(got["pair_ratio"], c.get("background_cores", 0.0), c["cores"])
     if "loop_per_sample_s" in got:
         prof["learner"] = {**prof["learner"], "loop_per_sample_s": got["loop_per_sample_s"]}
     if "per_group_s" not in got:
-        sources.setdefault("per_group_s", f"from {args.base}" if base else "not measured: 0")
+        for key in ("per_group_s", "per_sample_s"):
+            sources.setdefault(key, f"from {args.base}" if base else "not measured: 0")
     if got.get("push") is not None:
         sources["push_bytes"] = f"parameter bytes in the engine dtype: {nbytes:.0f}; pushed bytes {prof['push']['bytes']:.0f}"
     from async_dapo.planning import predict, profile_from_dict, Shape

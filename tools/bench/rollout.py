@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: common.p
 import common  # noqa: E402
 
 
-def _prompt_stream(cfg, tok):
+def prompt_stream(cfg, tok):
     """Prompt token ids in the replay queue's order (its cursor over train_rows), each cut as the actor
     cuts it (``rollout.fit_prompt``)."""
     from async_dapo.data.rows import PromptCursor, encode_prompt, train_rows
@@ -51,7 +51,7 @@ def _prompt_stream(cfg, tok):
         yield cache[i]
 
 
-async def _bare_loop(engine, prompts, n, params, inflight, warmup_groups, repeats, window_s):
+async def bare_loop(engine, prompts, n, params, inflight, warmup_groups, repeats, window_s):
     """Keep ``inflight`` groups of ``n`` requests running; after ``warmup_groups`` completed groups, count
     (groups, tokens) completed in each of ``repeats`` windows of ``window_s`` seconds."""
     done = {"groups": 0, "tokens": 0}
@@ -108,7 +108,7 @@ def _bare(cfg, prompts, params, inflight, repeats, window_s):
     try:
         # Engine.generate runs async_generate with engine.loop.run_until_complete: drive our loop the same way.
         return engine.loop.run_until_complete(
-            _bare_loop(engine, prompts, cfg.rollout.n, params, inflight, inflight, repeats, window_s))
+            bare_loop(engine, prompts, cfg.rollout.n, params, inflight, inflight, repeats, window_s))
     finally:
         engine.shutdown()
 
@@ -188,7 +188,7 @@ def main() -> None:
 
     r = cfg.rollout
     params = sampling_params(cfg)  # the actor's
-    bare = _bare(cfg, _prompt_stream(cfg, tok), params, k, args.repeats, args.window)
+    bare = _bare(cfg, prompt_stream(cfg, tok), params, k, args.repeats, args.window)
     actor, push, nbytes = _actor(cfg, k, args.repeats, args.pushes, args.window)
 
     def rates(runs):
