@@ -55,15 +55,15 @@ f. ``ranks``: the learner against ranks (tools/bench/learner_ranks.py: the real 
 g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other processes keep busy (driver,
    replay queue, rollout actors' host side, Ray) -> contention.background_cores, this machine's CPUs ->
    contention.cores (engines on CPU only; with phase pair, the effective cores: cores = pair's ratio ×
-   (2 + background_cores) / 2, within [1 + background_cores, CPUs]), and the training loop's own seconds per trained sample ->
-   learner.loop_per_sample_s. The engines' seconds per update (``perf/weight_load_s``) beyond the model's
+   (2 + background_cores) / 2, within [1 + background_cores, CPUs]), and the training loop's own seconds
+   per trained sample -> learner.loop_per_sample_s. The engines' seconds per update (``perf/weight_load_s``) beyond the model's
    prediction without it, per sequence they hold, running or queued (occupancy x window x G) ->
    push.engine_pause_per_seq_s (inflight and abort: pausing retracts or aborts them; 0 for drain). The run's
    steps/s and engine time per update are then written beside the planner's prediction of them, as a check.
    The only phase that runs train and generate coupled; it measures what the roles alone cannot, and none
    of the roles' figures.
 
-``--quick``: fewer points and batches (a CI-size smoke, about 3 minutes with the tiny model on 2 cores; its
+``--quick``: fewer points and batches (a CI-size smoke, about 4 minutes with the tiny model on 2 cores; its
 numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
 (an earlier profile) or, for push and contention only, neutral values (free push, no contention). c, e and
 pair need b (its batches, its rate).
@@ -389,7 +389,8 @@ def fit_group_cost(residuals: dict[int, float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def split_group_cost(cfg, engine: dict, workload: dict, bare: dict[int, float], per_group: float) -> tuple[float, float, str]:
+def split_group_cost(cfg, engine: dict, workload: dict, bare: dict[int, float],
+                     per_group: float) -> tuple[float, float, str]:
     """(per_group_s, per_sample_s): phase b's cost per group beyond the decode model (``per_group``, the actor
     in its run sets the level) split as the bare engine's is between per group and per sample, from its rates
     at several group sizes (:func:`bare_group_rates`) minus the decode model's at the same shapes."""
@@ -739,7 +740,8 @@ def split_as_base(got: dict, base: dict, n: int, sources: dict, where) -> None:
     share = e.get("per_sample_s", 0.0) * n / total if total > 0 else 0.0
     resid = got["per_group_s"] + got["per_sample_s"] * n
     got["per_group_s"], got["per_sample_s"] = (1 - share) * resid, share * resid / n
-    sources["per_sample_s"] = f"phase b's cost per group split as {where}'s is for a group of {n}: {100 * share:.0f} % per sample"
+    sources["per_sample_s"] = (f"phase b's cost per group split as {where}'s is for a group of {n}: "
+                               f"{100 * share:.0f} % per sample")
 
 
 def param_bytes(cfg) -> float:
@@ -871,7 +873,8 @@ def main() -> None:
     e, lr = profile.engine, profile.learner
     print(f"calibrated {args.out} in {time.perf_counter() - started:.0f} s: decode a {e.decode_base_s:.2e} "
           f"b {e.decode_per_seq_s:.2e} c {e.decode_per_ctx_token_s:.2e} s, prefill {e.prefill_per_token_s:.2e} s/token, "
-          f"per_group {e.per_group_s:.4f} s, learner {lr.step_base_s:.3f} + {lr.per_token_s:.2e} s/token, push "
+          f"per_group {e.per_group_s:.4f} s, per_sample {e.per_sample_s:.5f} s, cores {profile.contention.cores}, "
+          f"learner {lr.step_base_s:.3f} + {lr.per_token_s:.2e} s/token, push "
           f"{profile.push.base_s:.3f} s, slowdowns {profile.contention.engine_slowdown:.2f}/"
           f"{profile.contention.learner_slowdown:.2f}, keep {keep_rate(profile.workload, cfg.rollout.n):.2f}; config's plan: "
           f"{pred.steps_per_s:.3f} steps/s (speedup {pred.speedup:.2f})", flush=True)
