@@ -380,12 +380,12 @@ def fit_group_cost(residuals: dict[int, float]) -> tuple[float, float]:
     if len(residuals) < 2:
         return max(0.0, statistics.fmean(residuals.values())), 0.0
     G = np.array(sorted(residuals), dtype=float)
-    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(G), G], 1), np.array([residuals[g] for g in sorted(residuals)]),
-                                 rcond=None)
+    r = np.array([residuals[g] for g in sorted(residuals)])
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(G), G], 1), r, rcond=None)
     if b <= 0:
         return max(0.0, statistics.fmean(residuals.values())), 0.0
     if a < 0:  # through the origin
-        return 0.0, max(0.0, float(np.dot(G, [residuals[g] for g in sorted(residuals)]) / np.dot(G, G)))
+        return 0.0, max(0.0, float(np.dot(G, r) / np.dot(G, G)))
     return float(a), float(b)
 
 
@@ -394,8 +394,7 @@ def split_group_cost(cfg, engine: dict, workload: dict, bare: dict[int, float],
     """(per_group_s, per_sample_s): phase b's cost per group beyond the decode model (``per_group``, the actor
     in its run sets the level) split as the bare engine's is between per group and per sample, from its rates
     at several group sizes (:func:`bare_group_rates`) minus the decode model's at the same shapes."""
-    n, window = cfg.rollout.n, cfg.rollout.max_inflight_prompts
-    B = cfg.algorithm.train_batch_groups
+    n, B = cfg.rollout.n, cfg.algorithm.train_batch_groups
     resid = {G: 1.0 / rate - engine_only_s_per_batch(cfg, engine, workload, G=G, filter_groups=False) / B
              for G, rate in bare.items()}
     a, b = fit_group_cost(resid)
