@@ -23,6 +23,8 @@ Three decisions, with v = the learner's current policy version (``versions.curre
   running (the caller names the earliest running admission; it may force the batch when a late group
   has kept it waiting too long). Arrival order favours the groups that finish first (short, easy ones)
   in every async batch; admission order trains the population as it was admitted.
+* Split: when several producers wait for admission at once, the room is shared (:func:`split_admission`)
+  so that their prompts in flight end as even as possible; the first caller does not take it all.
 
 Guarantee (PER SAMPLE): every token of every handed-out group was produced by a policy version
 ≥ v − η, where v is the version current at hand-out. The admission bound alone is only aggregate (it
@@ -460,6 +462,34 @@ class ReplayPolicy(Generic[G]):
         stats.last_batch_staleness_max = max(values)
         for value in values:
             stats.staleness_hist[value] = stats.staleness_hist.get(value, 0) + 1
+
+
+def split_admission(rooms: Sequence[int], capacity: int) -> list[int]:
+    """How many of ``capacity`` free admission slots each waiting producer gets, given the ``rooms`` it asked
+    for (its own in-flight cap minus what it runs), in the order they asked: the most room first, level by
+    level, so that the rooms left end as equal as possible; a tie goes to the earlier ask. The shares sum to
+    ``min(capacity, sum(rooms))``.
+
+    Why: producers park on one condition and wake in the order they parked; handing the first one all the
+    free room left the other engines idle for that version while one generated the whole window."""
+    rooms = [max(0, r) for r in rooms]
+    total = min(max(0, capacity), sum(rooms))
+    lo, hi = 0, max(rooms, default=0)  # the lowest room level L with sum(max(0, r - L)) <= total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(max(0, r - mid) for r in rooms) <= total:
+            hi = mid
+        else:
+            lo = mid + 1
+    shares = [max(0, r - lo) for r in rooms]
+    left = total - sum(shares)  # fewer than the asks still at level lo: one more each, earliest first
+    for i, r in enumerate(rooms):
+        if left == 0:
+            break
+        if r >= lo > 0:
+            shares[i] += 1
+            left -= 1
+    return shares
 
 
 def _check_count(n: int) -> None:

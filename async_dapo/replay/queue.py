@@ -36,7 +36,7 @@ from typing import Any
 from async_dapo.config import Config, engine_ceiling, resolved_batch_order
 from async_dapo.data.rows import PromptCursor, prompt_ids, train_rows
 from async_dapo.replay.partials import Claim, PartialStore, saved_limit
-from async_dapo.replay.policy import ACCEPTED, ReplayPolicy
+from async_dapo.replay.policy import ACCEPTED, ReplayPolicy, split_admission
 from async_dapo.stream.transport import GroupReceiver, new_secret
 from async_dapo.stream.wire import Group, Partial, encode_partial
 
@@ -100,6 +100,9 @@ class ReplayQueue:
         # call that was still waiting must not take tickets nobody will produce.
         self.producers: dict[int, str] = {}
         self._serial = itertools.count()
+        # The admit calls parked now, in the order they came: ask serial -> the prompts it asked for.
+        self.asks: dict[int, int] = {}
+        self._asks_serial = itertools.count()
         self.abandoned: Counter[str] = Counter()
         self.score_failures: Counter[int] = Counter()  # row index -> groups of it that failed scoring
         self.wait_seconds = {"admit": 0.0, "batch": 0.0}
@@ -231,19 +234,25 @@ class ReplayQueue:
 
     async def admit(self, engine_rank: int, max_prompts: int, wait_s: float = 5.0,
                     incarnation: str | None = None) -> list[tuple[str, int, int, int, Partial | None]]:
-        """Wait up to ``wait_s`` until the admission rule allows at least one prompt; returns up to
-        ``max_prompts`` tickets (group id, epoch, prompt index, version at admission, and the progress an
+        """Wait up to ``wait_s`` until the admission rule allows at least one prompt for this call (calls
+        parked together split the free room: policy.split_admission); returns up to ``max_prompts`` tickets (group id, epoch, prompt index, version at admission, and the progress an
         engine that left made on that prompt, to continue from, or None), or [] on expiry or when
         ``incarnation`` is not (or no longer) the registered producer of ``engine_rank``."""
         t0 = time.perf_counter()
+        ask = next(self._asks_serial)
         async with self._cond():
+            self.asks[ask] = max_prompts
             try:
-                await asyncio.wait_for(self._cond().wait_for(lambda: self.policy.capacity_to_admit() > 0), wait_s)
+                await asyncio.wait_for(self._cond().wait_for(lambda: self._share(ask) > 0), wait_s)
+                share = self._share(ask)
             except asyncio.TimeoutError:
                 return []
+            finally:
+                del self.asks[ask]
+                self._cond().notify_all()  # the asks left share the room without this one
             if incarnation is not None and self.producers.get(engine_rank) != incarnation:
                 return []
-            picks = self.cursor.take(min(max_prompts, self.policy.capacity_to_admit()))
+            picks = self.cursor.take(share)
             if not picks:  # every prompt retired as solved: get_batch's problem says so
                 return []
             if self.policy.stats.running == 0:  # nothing was expected until now: silence starts here
@@ -256,6 +265,11 @@ class ReplayQueue:
         self.tickets.update({t.group_id: t for t in tickets})
         self.wait_seconds["admit"] += time.perf_counter() - t0
         return [(*t.wire(), self.partials.take(t.epoch, t.index)) for t in tickets]
+
+    def _share(self, ask: int) -> int:
+        """This ask's part of the free room when every parked ask splits it (policy.split_admission)."""
+        shares = split_admission(list(self.asks.values()), self.policy.capacity_to_admit())
+        return shares[list(self.asks).index(ask)]
 
     async def abandon(self, group_id: str, reason: str) -> bool:
         """A producer will never send this ticket's group: free its slot, give its prompt back, count it.

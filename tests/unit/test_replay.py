@@ -28,6 +28,7 @@ from async_dapo.replay.policy import (
     FREES_ADMISSION,
     OUTCOMES,
     ReplayPolicy,
+    split_admission,
     keeps_group,
     metric_values,
 )
@@ -117,6 +118,20 @@ def test_admission_hand_computed():
     assert policy.admission_limit() == 12
     assert policy.capacity_to_admit() == 5
     assert policy.admit(5) and not policy.can_admit()
+
+
+@pytest.mark.parametrize("rooms, capacity, shares", [
+    ([16, 16], 16, [8, 8]),  # two idle engines: half each, not 16 to the first
+    ([10, 4], 10, [8, 2]),  # rooms left 2 and 2
+    ([4, 9], 6, [1, 5]),  # rooms left 3.5 and 3.5: the tie (one prompt) to the earlier ask
+    ([3, 3, 3], 7, [3, 2, 2]),  # 7 = 2 + 2 + 2 + 1: the extra one to the earliest
+    ([16, 2], 1, [1, 0]),  # one slot: the most room
+    ([16, 2], 20, [16, 2]),  # more room than asked: everyone gets what it asked
+    ([5], 0, [0]),
+    ([], 5, []),
+])
+def test_split_admission_evens_the_rooms_left_hand_computed(rooms, capacity, shares):
+    assert split_admission(rooms, capacity) == shares
 
 
 def test_admit_is_all_or_nothing_and_checks_n():

@@ -217,6 +217,27 @@ def test_tickets_expire_after_their_ttl(cfg):
     asyncio.run(scenario())
 
 
+def test_producers_parked_together_split_the_room_a_version_opens(cfg):
+    async def scenario():
+        svc = ReplayQueue(_cfg("algorithm.train_batch_groups=4", "learner.mini_batch_groups=4"))
+        cond = await _observed(svc)
+        try:
+            assert len(await svc.admit(0, 10)) == 4  # η 0, B 4: the window is full
+            first = await _start_parked(cond, svc.admit(0, 10))
+            second = await _start_parked(cond, svc.admit(1, 10))
+            await svc.set_version(1)  # four more slots: two each, not four to the first to have parked
+            got = await asyncio.wait_for(asyncio.gather(first, second), 5)
+            assert [len(t) for t in got] == [2, 2]
+            lone = await _start_parked(cond, svc.admit(1, 10))
+            await svc.set_version(2)  # a producer that waits alone takes all it asks for
+            assert len(await asyncio.wait_for(lone, 5)) == 4
+            assert (await svc.stats())["running"] == 12
+        finally:
+            await svc.close()
+
+    asyncio.run(scenario())
+
+
 def test_release_engine_returns_only_that_engines_prompts(cfg):
     async def scenario():
         svc = ReplayQueue(_cfg("algorithm.train_batch_groups=4", "learner.mini_batch_groups=4",
