@@ -89,8 +89,9 @@ class LearnerModel:
         self.counts["trained_samples"] += B * self.s.G
         self._learner_to(t, "train")
         self.ltrain_at = t
-        self.lwork = step_seconds(self.p.learner, self.s, [g[1] for g in batch]) + \
-            self.p.learner.loop_per_sample_s * len(batch) * self.s.G
+        lp = self.p.learner
+        self.lwork = step_seconds(lp, self.s, [g[1] for g in batch]) + lp.loop_per_step_s + \
+            lp.loop_per_sample_s * len(batch) * self.s.G
         self.lrate = self._learner_rate()
         self.ltoken += 1
         self._at(t + self.lwork / self.lrate, LEARNER, self.ltoken)

@@ -76,10 +76,14 @@ class LearnerProfile(_Part):
                                         "when R > 1 (one per FSDP unit, summed).")
     collective_overlap: float = Field(0.0, ge=0, le=1, description="Share of the collectives' time hidden "
                                       "under compute (FSDP's prefetch); 0 = none (gloo on shared CPU cores).")
+    loop_per_step_s: float = Field(0.0, ge=0, description="Seconds per step the training loop spends outside "
+                                   "the batch wait, the train call and the push call whatever the batch's size "
+                                   "(collecting the metrics, writing the logs), measured in runs at two batch "
+                                   "sizes; counted with the step.")
     loop_per_sample_s: float = Field(0.0, ge=0, description="Seconds per trained sample the training loop "
                                      "spends outside the batch wait, the train call and the push call (handing "
-                                     "the batch over, its metrics and logs), measured in a run; counted with the "
-                                     "step.")
+                                     "the batch over), beyond loop_per_step_s; measured in runs at two batch "
+                                     "sizes; counted with the step.")
 
 
 class PushProfile(_Part):

@@ -75,8 +75,24 @@ def test_calibrate_quick(tmp_path):
     pair = float(re.search(r"generated ([\d.]+) times one engine's", profile.sources["cores"])[1])
     assert c.cores == pytest.approx(min(os.cpu_count(), max(1 + c.background_cores, pair * (2 + c.background_cores) / 2)),
                                     rel=1e-3)
-    assert 0 < profile.learner.loop_per_sample_s < 0.01
-    assert {"run", "run_check", "pause_per_seq"} <= set(profile.sources)
+    # the loop's own seconds at two batch sizes (the second run at a quarter of the batch), split per step and
+    # per sample through them; the push call as the run measured it
+    lp = profile.learner
+    assert 0 <= lp.loop_per_step_s < 1 and 0 <= lp.loop_per_sample_s < 0.01
+    assert lp.loop_per_step_s + lp.loop_per_sample_s > 0
+    s1, n1, s2, n2 = re.search(r"([\d.]+) at (\d+) samples \(a second run.*\) and ([\d.]+) at (\d+) \(the run above",
+                               profile.sources["loop"]).groups()
+    assert (int(n1), int(n2)) == (16 * 8, 64 * 8)  # the default's B 64 and 64 / 4, G 8
+    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    import in_run
+
+    per_step, per_sample = in_run.loop_split((int(n1), float(s1)), (int(n2), float(s2)))  # the logged 4 decimals
+    assert lp.loop_per_step_s == pytest.approx(per_step, abs=4e-4)
+    assert lp.loop_per_sample_s == pytest.approx(per_sample, abs=1e-6)
+    stall = float(re.search(r"push call's median ([\d.]+) s", profile.sources["run"])[1])
+    assert profile.push.learner_stall_s == pytest.approx(stall, abs=1e-4)
+    assert {"run", "run_check", "run_check_small", "pause_per_seq", "loop"} <= set(profile.sources)
+    assert (tmp_path / "tiny_run_small" / "metrics.jsonl").exists()
     assert 0 <= profile.push.engine_pause_per_seq_s < 0.01  # seconds per sequence held in an update
     assert "sequences held, running or queued" in profile.sources["pause_per_seq"]
     assert (tmp_path / "tiny_run" / "metrics.jsonl").exists()

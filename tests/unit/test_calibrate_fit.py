@@ -208,3 +208,16 @@ def test_effective_cores_give_two_engines_the_measured_rate():
     assert 2 / c.share(2) == pytest.approx(1.28, rel=1e-12) and c.share(1) == 1.0
     assert calibrate.effective_cores(0.9, 0.45, 2.0)[0] == pytest.approx(1.45)
     assert calibrate.effective_cores(1.9, 0.45, 2.0)[0] == 2.0
+
+
+def test_the_second_run_has_a_quarter_of_the_batch_and_as_many_updates():
+    def cfg(B, mini):
+        return SimpleNamespace(algorithm=SimpleNamespace(train_batch_groups=B),
+                               learner=SimpleNamespace(mini_batch_groups=mini))
+
+    assert calibrate.smaller_batch(cfg(64, 32)) == ["algorithm.train_batch_groups=16", "learner.mini_batch_groups=8"]
+    assert calibrate.smaller_batch(cfg(24, 8)) == ["algorithm.train_batch_groups=6", "learner.mini_batch_groups=2"]
+    # 3 groups cannot make 2 mini-batches: one update
+    assert calibrate.smaller_batch(cfg(12, 6)) == ["algorithm.train_batch_groups=3", "learner.mini_batch_groups=3"]
+    assert calibrate.smaller_batch(cfg(2, 1)) == ["algorithm.train_batch_groups=1", "learner.mini_batch_groups=1"]
+    assert calibrate.smaller_batch(cfg(1, 1)) == []  # nothing smaller: the loop stays all per sample

@@ -46,10 +46,24 @@ def test_loop_overhead_is_the_step_minus_its_wait_train_and_push_calls():
     steps = [{"perf/time_per_step": 1.0, "perf/wait_data_s": 0.5, "perf/update_actor_s": 0.4,
               "perf/weight_push_stall_s": 0.02},
              {"perf/time_per_step": 0.8, "perf/wait_data_s": 0.2, "perf/update_actor_s": 0.5,
-              "perf/weight_push_stall_s": 0.04}]
-    assert in_run.loop_overhead_s(steps) == pytest.approx((0.08 + 0.06) / 2)
+              "perf/weight_push_stall_s": 0.04},
+             {"perf/time_per_step": 1.5, "perf/wait_data_s": 0.5, "perf/update_actor_s": 0.5,
+              "perf/weight_push_stall_s": 0.03}]  # a pause of 0.47 s: the median does not follow it
+    assert in_run.loop_overhead_s(steps) == pytest.approx(0.08)
+    assert in_run.push_stall_s(steps) == pytest.approx(0.03)
     late = [{**steps[0], "perf/update_actor_s": 0.6}]  # clock skew between processes: never below 0
     assert in_run.loop_overhead_s(late) == 0.0
+
+
+def test_loop_split_through_two_batch_sizes_hand_computed():
+    # 48 samples: 14 ms, 512 samples: 50 ms -> 36 ms / 464 samples = 0.0776 ms per sample, 10.28 ms per step
+    per_step, per_sample = in_run.loop_split((48, 0.014), (512, 0.050))
+    assert per_sample == pytest.approx(0.036 / 464) and per_step == pytest.approx(0.050 - 512 * 0.036 / 464)
+    assert in_run.loop_split((48, 0.060), (512, 0.050)) == (0.050, 0.0)  # cheaper with more: all per step
+    per_step, per_sample = in_run.loop_split((48, 0.001), (512, 0.050))  # the line through < 0 at 0 samples
+    assert per_step == 0.0 and per_sample == pytest.approx(0.050 / 512)
+    with pytest.raises(ValueError, match="smaller and a larger"):
+        in_run.loop_split((512, 0.05), (48, 0.01))
 
 
 def test_cpu_seconds_sees_a_process_tree_and_its_busy_child():
@@ -81,8 +95,9 @@ def test_the_profile_part_shares_this_machines_cores_only_when_engines_run_on_cp
     got = {"cores": {"engines": 0.9, "learner": 0.4, "background": 0.45}, "wall_s": 10.0,
            "steps": [{"perf/time_per_step": 1.0, "perf/wait_data_s": 0.5, "perf/update_actor_s": 0.44,
                       "perf/weight_push_stall_s": 0.01}] * 3}
-    part, per_sample, how = in_run.overhead_part(got, "cpu", 512)
+    part, loop_s, how = in_run.overhead_part(got, "cpu", 512)
     assert part == {"cores": os.cpu_count(), "background_cores": 0.45}
-    assert per_sample == pytest.approx(0.05 / 512)
+    assert loop_s == pytest.approx(0.05)
+    assert "push call's median 0.0100 s -> learner_stall_s" in how
     assert "0.45" in how and "512 samples" in how
     assert in_run.overhead_part(got, "cuda", 512)[0]["cores"] is None

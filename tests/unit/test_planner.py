@@ -165,10 +165,11 @@ def test_an_engine_pauses_longer_for_every_sequence_it_holds():
 
 def test_the_loop_overhead_is_paid_every_step():
     """A learner-bound plan: each step costs the train step, the loop's own overhead and the push stall."""
-    slow = profile(learner={"step_base_s": 5.0, "loop_per_sample_s": 0.25 / 8})  # 4 groups x 2 samples
+    slow = profile(learner={"step_base_s": 5.0, "loop_per_step_s": 0.125,
+                            "loop_per_sample_s": 0.25 / 8})  # 4 groups x 2 samples
     pred = predict(slow, Shape(B=4, G=2, eta=1, max_inflight_prompts=8), 20, 5, sync_baseline=False)
     lp = BASE["learner"]
-    t_learner = 5.0 + lp["per_token_s"] * 4 * 2 * 15 + 0.25 + BASE["push"]["learner_stall_s"]
+    t_learner = 5.0 + lp["per_token_s"] * 4 * 2 * 15 + 0.125 + 0.25 + BASE["push"]["learner_stall_s"]
     assert pred.steps_per_s == pytest.approx(1 / t_learner, rel=1e-9)
     assert pred.train_s == pytest.approx(t_learner - BASE["push"]["learner_stall_s"], rel=1e-9)
 

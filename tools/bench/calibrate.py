@@ -55,13 +55,15 @@ f. ``ranks``: the learner against ranks (tools/bench/learner_ranks.py: the real 
 g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other processes keep busy (driver,
    replay queue, rollout actors' host side, Ray) -> contention.background_cores, this machine's CPUs ->
    contention.cores (engines on CPU only; with phase pair, the effective cores: cores = pair's ratio ×
-   (2 + background_cores) / 2, within [1 + background_cores, CPUs]), and the training loop's own seconds
-   per trained sample -> learner.loop_per_sample_s. The engines' seconds per update (``perf/weight_load_s``) beyond the model's
-   prediction without it, per sequence they hold, running or queued (occupancy x window x G) ->
-   push.engine_pause_per_seq_s (inflight and abort: pausing retracts or aborts them; 0 for drain). The run's
-   steps/s and engine time per update are then written beside the planner's prediction of them, as a check.
-   The only phase that runs train and generate coupled; it measures what the roles alone cannot, and none
-   of the roles' figures.
+   (2 + background_cores) / 2, within [1 + background_cores, CPUs]), the push call's median ->
+   push.learner_stall_s (d's is with idle engines), and the training loop's own seconds per step; a second
+   run at a quarter of the batch splits those into learner.loop_per_step_s (metrics, logs) and
+   learner.loop_per_sample_s (the batch's hand-over). The engines' seconds per update
+   (``perf/weight_load_s``) beyond the model's prediction without it, per sequence they hold, running or
+   queued (occupancy x window x G) -> push.engine_pause_per_seq_s (inflight and abort: pausing retracts or
+   aborts them; 0 for drain). Both runs' steps/s and engine time per update are then written beside the
+   planner's prediction of them, as checks. The only phase that runs train and generate coupled; it
+   measures what the roles alone cannot, and none of the roles' figures.
 
 ``--quick``: fewer points and batches (a CI-size smoke, about 4 minutes with the tiny model on 2 cores; its
 numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
@@ -464,7 +466,8 @@ def push_phase(placed, cfg, pushes: int) -> tuple[dict, dict]:
             "learner_stall_s": stall_s}
     src = {"push": f"{when}: {pushes} pushes (after 1 discarded) learner -> engines with the engines idle "
                    f"(as tools/bench/push.py): push_s median {push_s:.4f} s at the sender, engine's own update "
-                   f"(engine_s) {pause_s:.4f} s -> engine_pause_s, push call {stall_s:.4f} s -> learner_stall_s; "
+                   f"(engine_s) {pause_s:.4f} s -> engine_pause_s, push call {stall_s:.4f} s -> learner_stall_s "
+                   f"(the run phase's push call replaces it when that phase runs); "
                    f"bytes = the push's bytes; bandwidth = bytes / median raw gloo broadcast of the same bytes "
                    f"(push.raw_gloo, {med(raw):.4f} s); base_s = push_s - bytes / bandwidth"}
     return part, src
@@ -661,8 +664,9 @@ def scaled_compute(part: dict, scale: float) -> dict:
 
 
 def run_phase(args, cfg, sources: dict, log) -> dict:
-    """Phase g (tools/bench/in_run.py): the config run for real; the cores its other processes use, the
-    training loop's own seconds per trained sample, and what the run measured for :func:`run_check`."""
+    """Phase g (tools/bench/in_run.py): the config run for real; the cores its other processes use, the push
+    call in a run, the training loop's own seconds (a second run at a quarter of the batch splits them per
+    step and per sample), and what the runs measured for :func:`run_check`."""
     import in_run
 
     from async_dapo.device import resolve_device
@@ -672,12 +676,45 @@ def run_phase(args, cfg, sources: dict, log) -> dict:
     run_dir = args.out.parent / f"{args.out.stem}_run"
     got = in_run.measure(args.config, sets, run_dir, steps, warmup, args.run_timeout, log)
     samples = cfg.algorithm.train_batch_groups * cfg.rollout.n
-    sharing, per_sample, how = in_run.overhead_part(got, resolve_device(cfg.rollout.engine.device), samples)
+    sharing, loop_s, how = in_run.overhead_part(got, resolve_device(cfg.rollout.engine.device), samples)
     sources["run"] = f"{_now()}: {how} ({run_dir})"
     log(f"run: {how}")
-    steps = got["steps"]
-    return {"sharing": sharing, "loop_per_sample_s": per_sample,
-            "weight_load_s": statistics.fmean(r["perf/weight_load_s"] for r in steps),
+    out = {"sharing": sharing, "learner_stall_s": in_run.push_stall_s(got["steps"]), **run_figures(got["steps"])}
+    small_sets = smaller_batch(cfg)
+    if not small_sets:  # a batch of one group: the loop's cost cannot be split; all of it per sample
+        out.update(loop_per_step_s=0.0, loop_per_sample_s=loop_s / samples)
+        sources["loop"] = f"one batch size only ({samples} samples): {loop_s:.4f} s per step, all per sample"
+        return out
+    small_dir = run_dir.with_name(f"{run_dir.name}_small")
+    small = in_run.measure(args.config, [*sets, *small_sets], small_dir, steps, warmup, args.run_timeout, log)
+    small_cfg = common.load_config(args.config, [*sets, *small_sets])
+    small_samples = small_cfg.algorithm.train_batch_groups * small_cfg.rollout.n
+    small_loop = in_run.loop_overhead_s(small["steps"])
+    per_step, per_sample = in_run.loop_split((small_samples, small_loop), (samples, loop_s))
+    sources["loop"] = (f"{_now()}: the loop's median seconds per step outside the batch wait, the train call and "
+                       f"the push call: {small_loop:.4f} at {small_samples} samples (a second run, "
+                       f"{' '.join(small_sets)}; {small_dir}) and {loop_s:.4f} at {samples} (the run above): "
+                       f"{per_step:.4f} s per step + {per_sample:.3e} s per sample (in_run.loop_split)")
+    log(f"run: {sources['loop']}")
+    return {**out, "loop_per_step_s": per_step, "loop_per_sample_s": per_sample,
+            "small": {"cfg": small_cfg, **run_figures(small["steps"])}}
+
+
+def smaller_batch(cfg) -> list[str]:
+    """Overrides for the run phase's second run: a quarter of the batch (at least one group fewer), with as
+    many optimizer updates per step where the mini-batch allows; [] for a batch of one group."""
+    B, mini = cfg.algorithm.train_batch_groups, cfg.learner.mini_batch_groups
+    small = min(B - 1, max(1, B // 4))
+    if small < 1:
+        return []
+    updates = B // mini
+    small_mini = small // updates if small % updates == 0 else small
+    return [f"algorithm.train_batch_groups={small}", f"learner.mini_batch_groups={small_mini}"]
+
+
+def run_figures(steps: list[dict]) -> dict:
+    """What :func:`pause_part` and :func:`run_check` read from a run's steps after its warm-up."""
+    return {"weight_load_s": statistics.fmean(r["perf/weight_load_s"] for r in steps),
             "occupancy": statistics.fmean(r["perf/rollout_occupancy"] for r in steps),
             "run_steps_per_s": (len(steps) - 1) / (steps[-1]["time"] - steps[0]["time"])}
 
@@ -712,14 +749,14 @@ def pause_part(profile, cfg, got: dict, sources: dict):
     return profile.model_copy(update={"push": push})
 
 
-def run_check(profile, cfg, got: dict, sources: dict) -> None:
-    """The run phase's own run predicted with the finished profile, beside what it measured (not fitted)."""
+def run_check(profile, cfg, got: dict, sources: dict, key: str = "run_check", which: str = "run") -> None:
+    """A run of the run phase predicted with the finished profile, beside what it measured (not fitted)."""
     from async_dapo.planning import Shape, predict
 
     pred = predict(profile, Shape.from_config(cfg), steps=30, warmup=6, sync_baseline=False)
-    sources["run_check"] = (f"{_now()}: the run phase's run, measured / predicted with this profile: steps/s "
-                            f"{got['run_steps_per_s']:.3f} / {pred.steps_per_s:.3f}, engine seconds per update "
-                            f"(perf/weight_load_s) {got['weight_load_s']:.4f} / {pred.weight_load_s:.4f}")
+    sources[key] = (f"{_now()}: the run phase's {which}, measured / predicted with this profile: steps/s "
+                    f"{got['run_steps_per_s']:.3f} / {pred.steps_per_s:.3f}, engine seconds per update "
+                    f"(perf/weight_load_s) {got['weight_load_s']:.4f} / {pred.weight_load_s:.4f}")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -836,7 +873,10 @@ def main() -> None:
         c = prof["contention"]
         c["cores"], sources["cores"] = effective_cores(got["pair_ratio"], c.get("background_cores", 0.0), c["cores"])
     if "loop_per_sample_s" in got:
-        prof["learner"] = {**prof["learner"], "loop_per_sample_s": got["loop_per_sample_s"]}
+        prof["learner"] = {**prof["learner"], "loop_per_step_s": got["loop_per_step_s"],
+                           "loop_per_sample_s": got["loop_per_sample_s"]}
+    if "learner_stall_s" in got and prof["push"] is not None:  # the push call in a run, not with idle engines
+        prof["push"] = {**prof["push"], "learner_stall_s": got["learner_stall_s"]}
     if "per_group_s" not in got:
         for key in ("per_group_s", "per_sample_s"):
             sources.setdefault(key, f"from {args.base}" if base else "not measured: 0")
@@ -849,6 +889,8 @@ def main() -> None:
     if "weight_load_s" in got:
         profile = pause_part(profile, cfg, got, sources)
         run_check(profile, cfg, got, sources)
+        if "small" in got:
+            run_check(profile, got["small"]["cfg"], got["small"], sources, "run_check_small", "second run")
         profile = profile.model_copy(update={"sources": sources})
     for part in ("engine", "learner", "push", "contention"):
         for k, v in getattr(profile, part).model_dump().items():

@@ -9,9 +9,13 @@ This phase runs the config for real (``async-dapo train``, validation and checkp
   after the warm-up (psutil's CPU times, sampled at both ends of that window);
 * ``contention.cores``: this machine's CPUs, when the engines run on CPU (None on GPU: the roles' compute
   does not share cores there);
-* ``learner.loop_per_sample_s``: the loop's seconds per step outside the batch wait, the train call and the
-  push call (``perf/time_per_step − perf/wait_data_s − perf/update_actor_s − perf/weight_push_stall_s``),
-  per trained sample: handing the batch over, its metrics and its logs grow with it.
+* the loop's own seconds per step outside the batch wait, the train call and the push call
+  (``perf/time_per_step − perf/wait_data_s − perf/update_actor_s − perf/weight_push_stall_s``, the median
+  over the steps: a rare pause, a garbage collection or a log flush, is not the loop's work per step); the
+  calibration runs the config at two batch sizes and splits it into ``learner.loop_per_step_s`` (metrics
+  and logs) and ``learner.loop_per_sample_s`` (the batch's hand-over) with :func:`loop_split`;
+* ``push.learner_stall_s``: the median push call in the run (``perf/weight_push_stall_s``): what the loop
+  loses to each push while the engines and the other processes are busy.
 
 Run alone, it also prints the cores used per process name (the learner ranks as ``learner``) and the
 window's steps/s and samples finished per second.
@@ -77,10 +81,30 @@ def cores_by_role(before: dict, after: dict, wall_s: float, learner_pids: set[in
 
 
 def loop_overhead_s(steps: list[dict]) -> float:
-    """Mean seconds per step the training loop spent outside the batch wait, the train call and the push call
-    (never below 0)."""
-    return max(0.0, statistics.fmean(r["perf/time_per_step"] - r["perf/wait_data_s"] - r["perf/update_actor_s"]
-                                     - r["perf/weight_push_stall_s"] for r in steps))
+    """Median seconds per step the training loop spent outside the batch wait, the train call and the push
+    call (never below 0)."""
+    return max(0.0, statistics.median(r["perf/time_per_step"] - r["perf/wait_data_s"] - r["perf/update_actor_s"]
+                                      - r["perf/weight_push_stall_s"] for r in steps))
+
+
+def push_stall_s(steps: list[dict]) -> float:
+    """Median seconds the loop spent in the push call per step."""
+    return statistics.median(r["perf/weight_push_stall_s"] for r in steps)
+
+
+def loop_split(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
+    """(per step, per sample) through the loop's seconds per step at two batch sizes, each ``(samples,
+    seconds)``, each part clipped at 0 (the other then carries the larger batch's whole cost)."""
+    (n1, s1), (n2, s2) = small, large
+    if n2 <= n1:
+        raise ValueError(f"need a smaller and a larger batch, got {n1} and {n2} samples")
+    per_sample = (s2 - s1) / (n2 - n1)
+    if per_sample < 0:
+        return max(0.0, s2), 0.0
+    per_step = s2 - per_sample * n2
+    if per_step < 0:
+        return 0.0, max(0.0, s2) / n2
+    return per_step, per_sample
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -138,7 +162,7 @@ def _sample_at(proc: subprocess.Popen, run_dir: Path, steps: int, deadline: floa
 
 
 def overhead_part(got: dict, engine_device: str, samples: int) -> tuple[dict, float, str]:
-    """(the contention fields, learner.loop_per_sample_s, their source line) from :func:`measure`'s result
+    """(the contention fields, the loop's seconds per step, their source line) from :func:`measure`'s result
     of a run training ``samples`` samples per step."""
     cores = got["cores"]
     shared = (os.cpu_count() or 1) if engine_device == "cpu" else None
@@ -147,9 +171,9 @@ def overhead_part(got: dict, engine_device: str, samples: int) -> tuple[dict, fl
            f"CPU cores used by the schedulers {cores['engines']:.2f}, the learner ranks {cores['learner']:.2f}, "
            f"everything else (driver, replay, rollout actors' host side, Ray) {cores['background']:.2f} -> "
            f"background_cores; cores = {shared} (os.cpu_count() when the engines run on CPU); the loop's own "
-           f"mean(time_per_step - wait_data_s - update_actor_s - push_stall) = {overhead:.4f} s per step / "
-           f"{samples} samples -> loop_per_sample_s")
-    return {"cores": shared, "background_cores": cores["background"]}, overhead / samples, how
+           f"median(time_per_step - wait_data_s - update_actor_s - push_stall) = {overhead:.4f} s per step at "
+           f"{samples} samples; the push call's median {push_stall_s(got['steps']):.4f} s -> learner_stall_s")
+    return {"cores": shared, "background_cores": cores["background"]}, overhead, how
 
 
 def main() -> int:
@@ -165,12 +189,12 @@ def main() -> int:
     from async_dapo.device import resolve_device
 
     samples = cfg.algorithm.train_batch_groups * cfg.rollout.n
-    part, per_sample, how = overhead_part(got, resolve_device(cfg.rollout.engine.device), samples)
+    part, loop_s, how = overhead_part(got, resolve_device(cfg.rollout.engine.device), samples)
     by_name = ", ".join(f"{name} {cores:.2f}" for name, cores in got["by_name"].items() if cores >= 0.005)
     first, last = got["steps"][0], got["steps"][-1]
     wall = last["time"] - first["time"]
     finished = last["replay/received_samples"] - first["replay/received_samples"]
-    print(json.dumps({"contention": part, "loop_per_sample_s": per_sample}), how,
+    print(json.dumps({"contention": part, "loop_s": loop_s, "learner_stall_s": push_stall_s(got["steps"])}), how,
           f"cores by process: {by_name}; {(len(got['steps']) - 1) / wall:.3f} steps/s, "
           f"{finished / wall:.0f} samples finished/s", sep="\n")
     return 0
