@@ -103,6 +103,8 @@ class ReplayQueue:
         # The admit calls parked now, in the order they came: ask serial -> the prompts it asked for.
         self.asks: dict[int, int] = {}
         self._asks_serial = itertools.count()
+        self._asks_changed = 0  # bumped whenever an ask comes or goes: the split below is reused until then
+        self._split: tuple[tuple[int, int], dict[int, int]] = ((0, -1), {})
         self.abandoned: Counter[str] = Counter()
         self.score_failures: Counter[int] = Counter()  # row index -> groups of it that failed scoring
         self.wait_seconds = {"admit": 0.0, "batch": 0.0}
@@ -235,13 +237,15 @@ class ReplayQueue:
     async def admit(self, engine_rank: int, max_prompts: int, wait_s: float = 5.0,
                     incarnation: str | None = None) -> list[tuple[str, int, int, int, Partial | None]]:
         """Wait up to ``wait_s`` until the admission rule allows at least one prompt for this call (calls
-        parked together split the free room: policy.split_admission); returns up to ``max_prompts`` tickets (group id, epoch, prompt index, version at admission, and the progress an
-        engine that left made on that prompt, to continue from, or None), or [] on expiry or when
+        parked together split the free room: policy.split_admission); returns up to ``max_prompts``
+        tickets (group id, epoch, prompt index, version at admission, and the progress an engine that left
+        made on that prompt, to continue from, or None), or [] on expiry or when
         ``incarnation`` is not (or no longer) the registered producer of ``engine_rank``."""
         t0 = time.perf_counter()
         ask = next(self._asks_serial)
         async with self._cond():
             self.asks[ask] = max_prompts
+            self._asks_changed += 1
             try:
                 await asyncio.wait_for(self._cond().wait_for(lambda: self._share(ask) > 0), wait_s)
                 share = self._share(ask)
@@ -249,6 +253,7 @@ class ReplayQueue:
                 return []
             finally:
                 del self.asks[ask]
+                self._asks_changed += 1
                 self._cond().notify_all()  # the asks left share the room without this one
             if incarnation is not None and self.producers.get(engine_rank) != incarnation:
                 return []
@@ -267,9 +272,16 @@ class ReplayQueue:
         return [(*t.wire(), self.partials.take(t.epoch, t.index)) for t in tickets]
 
     def _share(self, ask: int) -> int:
-        """This ask's part of the free room when every parked ask splits it (policy.split_admission)."""
-        shares = split_admission(list(self.asks.values()), self.policy.capacity_to_admit())
-        return shares[list(self.asks).index(ask)]
+        """This ask's part of the free room when every parked ask splits it (policy.split_admission). Every
+        parked call evaluates this on every wake-up (each arrival): the split is computed once per change of
+        the room or of the asks, and not at all while the window is full."""
+        capacity = self.policy.capacity_to_admit()
+        if capacity <= 0:
+            return 0
+        key = (capacity, self._asks_changed)
+        if self._split[0] != key:
+            self._split = (key, dict(zip(self.asks, split_admission(list(self.asks.values()), capacity))))
+        return self._split[1][ask]
 
     async def abandon(self, group_id: str, reason: str) -> bool:
         """A producer will never send this ticket's group: free its slot, give its prompt back, count it.
