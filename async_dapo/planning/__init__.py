@@ -12,11 +12,13 @@ the model, what it captures and what it ignores; the summary:
 * Admission is replay.py's rule, ``in_window + running < (η + v + 1)·B`` with v the version the engines have
   loaded (the queue's version, advanced when EVERY engine loaded a push), at most
   ``rollout.max_inflight_prompts`` groups in flight per engine, pulled by the engine with the most room.
-* A finished group costs ``per_group_s + G·per_sample_s`` of engine time, then arrives: stale (v − min_version > η) or
-  filtered (kept with probability ``keep_rate``) groups give their slot back; kept ones queue FIFO.
+* A finished group costs ``per_group_s + G·per_sample_s`` of engine time, then arrives: stale
+  (v − min_version > η) or filtered (kept with probability ``keep_rate``) groups give their slot back; kept
+  ones queue FIFO.
 * The learner takes the B oldest queued groups (dropping those stale at its own version), trains (plus the
-  loop's own ``loop_per_step_s + loop_per_sample_s·B·G``), version += 1, and every k steps pushes: it waits for the previous push, loses ``learner_stall_s``, the sender takes
-  ``base_s + bytes/bandwidth``, then each engine applies the update by ``rollout.update_mode``.
+  loop's own ``loop_per_step_s + loop_per_sample_s·B·G``), version += 1, and every k steps pushes: it waits
+  for the previous push, loses ``learner_stall_s``, the sender takes ``base_s + bytes/bandwidth``, then each
+  engine applies the update by ``rollout.update_mode``.
 
 The package in the order a plan is made: :mod:`.profile` (the measured input), :mod:`.shape` (the run
 and the figures), :mod:`.engine_model` and :mod:`.learner_model` (the two halves of :mod:`.simulator`),

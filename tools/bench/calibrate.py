@@ -65,7 +65,7 @@ g. ``run``: the config run for real (tools/bench/in_run.py): the CPU its other p
    planner's prediction of them, as checks. The only phase that runs train and generate coupled; it
    measures what the roles alone cannot, and none of the roles' figures.
 
-``--quick``: fewer points and batches (a CI-size smoke, about 4 minutes with the tiny model on 2 cores; its
+``--quick``: fewer points and batches (a CI-size smoke, about 6 minutes with the tiny model on 2 cores; its
 numbers are not results). ``--phases``: run only some; the figures of the others come from ``--base``
 (an earlier profile) or, for push and contention only, neutral values (free push, no contention). c, e and
 pair need b (its batches, its rate).
